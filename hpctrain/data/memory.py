@@ -1,0 +1,114 @@
+"""Loaders for in-memory datasets.
+
+Training: DistributedSampler order, per-rank batches, and a position (epoch, batches
+done) that can be saved and restored mid-epoch. Evaluation: contiguous per-rank slices,
+so every sample is evaluated exactly once across ranks (no padding repeats)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from hpctrain.data.sources import ArrayDataset, Batch, pass_batch
+from hpctrain.env import ClusterEnv
+
+
+class _SkipSampler(Sampler[int]):
+    """The wrapped sampler's indices from position ``start`` on (mid-epoch resume)."""
+
+    def __init__(self, inner: DistributedSampler, start: int) -> None:
+        self.inner, self.start = inner, start
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self.inner)[self.start :])
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.start)
+
+
+class MemoryLoader:
+    """Per-rank batches of an :class:`ArrayDataset`, in DistributedSampler order.
+
+    The global order depends only on (seed, epoch), so a run with batch b on N ranks sees
+    exactly the samples of a run with batch N*b on one rank. ``set_epoch`` must be called
+    each epoch (the training loop does).
+    """
+
+    def __init__(self, dataset: ArrayDataset, env: ClusterEnv, batch_size: int, *, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = True, num_workers: int = 0,
+                 prefetch_factor: int = 2, pin_memory: bool = False, persistent_workers: bool = True) -> None:
+        self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
+        self.sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank,
+                                          shuffle=shuffle, seed=seed, drop_last=False)
+        self._loader_kwargs: dict[str, Any] = dict(
+            batch_size=batch_size, drop_last=drop_last, collate_fn=pass_batch, num_workers=num_workers,
+            pin_memory=pin_memory,
+        )
+        if num_workers > 0:
+            self._loader_kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+        self.epoch, self.batches_done = 0, 0
+        self._loader: DataLoader | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.batches_done = 0
+        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        per_rank = len(self.sampler)
+        return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        start = self.batches_done * self.batch_size
+        if start == 0:
+            loader = self._full_epoch_loader()
+        else:  # a resumed epoch: a one-off loader over the remaining indices
+            loader = DataLoader(self.dataset, sampler=_SkipSampler(self.sampler, start),
+                                **{**self._loader_kwargs, "persistent_workers": False})
+        for batch in loader:
+            self.batches_done += 1
+            yield batch
+        self.batches_done = 0
+        self.epoch += 1
+        self.sampler.set_epoch(self.epoch)
+
+    def _full_epoch_loader(self) -> DataLoader:
+        # One DataLoader for the whole run, so persistent workers survive epochs.
+        if self._loader is None:
+            self._loader = DataLoader(self.dataset, sampler=self.sampler, **self._loader_kwargs)
+        return self._loader
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_done": self.batches_done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.set_epoch(int(state["epoch"]))
+        self.batches_done = int(state["batches_done"])
+
+
+def rank_slice(n: int, env: ClusterEnv) -> range:
+    """This rank's contiguous share of n samples; shares differ by at most one."""
+    return range(env.rank * n // env.world_size, (env.rank + 1) * n // env.world_size)
+
+
+class EvalLoader:
+    """This rank's slice of an in-memory dataset, in order, in batches; no sample twice."""
+
+    def __init__(self, dataset: ArrayDataset, env: ClusterEnv, batch_size: int) -> None:
+        self.dataset, self.batch_size = dataset, batch_size
+        self.indices = rank_slice(len(dataset), env)
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for start in range(0, len(self.indices), self.batch_size):
+            chunk = self.indices[start : start + self.batch_size]
+            yield self.dataset.__getitems__(list(chunk))
+
+    def template(self) -> Batch:
+        """A one-sample batch of the right shape, for masked padding steps."""
+        return self.dataset.__getitems__([0])

@@ -1,0 +1,210 @@
+"""Where am I running? One place turns torchrun / Slurm / plain-process variables into a
+:class:`ClusterEnv` value that every other module receives; nothing else reads RANK."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Source = Literal["single", "torchrun", "slurm"]
+
+
+class EnvError(RuntimeError):
+    """The launcher's variables contradict each other; the message names them."""
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    source: Source = "single"
+    job_id: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv:
+    """torchrun wins over Slurm (srun + torchrun sets both); else srun tasks; else one process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return _from_torchrun(env)
+    if "SLURM_PROCID" in env and _inside_srun_step(env):
+        return _from_slurm(env)
+    return ClusterEnv(job_id=env.get("SLURM_JOB_ID"))
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    text = env.get(name)
+    if text is None:
+        if default is None:
+            raise EnvError(f"{name} is not set but the launcher variables around it are; hint: launch with torchrun or srun")
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise EnvError(f"{name}={text!r} is not an integer") from None
+
+
+def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    local_rank = _int(env, "LOCAL_RANK", 0)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+    _check_ranks(rank, world, "RANK", "WORLD_SIZE")
+    _check_ranks(local_rank, local_world, "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    if world % local_world:
+        raise EnvError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}")
+    return ClusterEnv(
+        rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
+        node_rank=_int(env, "GROUP_RANK", rank // local_world), num_nodes=world // local_world,
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
+        source="torchrun", job_id=env.get("SLURM_JOB_ID"),
+    )
+
+
+def _inside_srun_step(env: Mapping[str, str]) -> bool:
+    # A batch script also carries SLURM_PROCID=0 and SLURM_NTASKS=N, but it is ONE process:
+    # only srun-launched tasks get a step id (the batch step has none or "batch").
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    return step is not None and step not in ("batch", "4294967294")
+
+
+def _from_slurm(env: Mapping[str, str]) -> ClusterEnv:
+    rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+    local_rank = _int(env, "SLURM_LOCALID", 0)
+    num_nodes = _int(env, "SLURM_NNODES", _int(env, "SLURM_JOB_NUM_NODES", 1))
+    _check_ranks(rank, world, "SLURM_PROCID", "SLURM_NTASKS")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise EnvError("SLURM_JOB_NODELIST is not set; hint: run under srun inside an allocation")
+    job_id = env.get("SLURM_JOB_ID", "0")
+    return ClusterEnv(
+        rank=rank, local_rank=local_rank, world_size=world,
+        local_world_size=_local_tasks(env, world, num_nodes), node_rank=_int(env, "SLURM_NODEID", 0),
+        num_nodes=num_nodes, master_addr=env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
+        master_port=_int(env, "MASTER_PORT", port_from_job_id(job_id)), source="slurm", job_id=job_id,
+    )
+
+
+def _local_tasks(env: Mapping[str, str], world: int, num_nodes: int) -> int:
+    # SLURM_TASKS_PER_NODE looks like "4(x2),3": the first entry is this layout's widest node.
+    text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if text:
+        return int(text.split("(")[0].split(",")[0])
+    return max(1, world // max(1, num_nodes))
+
+
+def _check_ranks(rank: int, size: int, rank_name: str, size_name: str) -> None:
+    if size < 1:
+        raise EnvError(f"{size_name}={size} must be >= 1")
+    if not 0 <= rank < size:
+        raise EnvError(f"{rank_name}={rank} is outside 0..{size - 1} given by {size_name}={size}")
+
+
+def port_from_job_id(job_id: str) -> int:
+    """A port every task of one job derives alike; jobs sharing a node rarely collide."""
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return 15000 + int(digits[-4:]) % 20000
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compact host list: ``gpu[01-04,07],cpu3`` -> gpu01..gpu04, gpu07, cpu3."""
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist):
+        match = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\](.*)", item)
+        if not match:
+            hosts.append(item)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for head in _expand_ranges(ranges, item):
+            hosts += [prefix + head + rest for rest in (expand_nodelist(suffix) if suffix else [""])]
+    if not hosts:
+        raise EnvError(f"SLURM nodelist {nodelist!r} names no host")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, current = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    items.append(current)
+    return [i.strip() for i in items if i.strip()]
+
+
+def _expand_ranges(ranges: str, item: str) -> list[str]:
+    out = []
+    for part in ranges.split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise EnvError(f"cannot parse range {part!r} in Slurm nodelist item {item!r}")
+        width = len(lo)
+        out += [str(n).zfill(width) for n in range(int(lo), int(hi if sep else lo) + 1)]
+    return out
+
+
+# ---------------------------------------------------------------- process group
+
+
+def pick_device(env: ClusterEnv) -> torch.device:
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return torch.device("cuda", env.local_rank % count)
+    return torch.device("cpu")
+
+
+def pick_backend(device: torch.device, requested: str = "auto") -> str:
+    if requested != "auto":
+        if requested == "nccl" and device.type != "cuda":
+            raise EnvError("parallel.backend=nccl needs CUDA; hint: use parallel.backend=gloo on CPU")
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(env: ClusterEnv, backend: str = "auto", timeout_s: float = 600.0) -> torch.device:
+    """Pick the device, and start the process group if there is more than one rank."""
+    device = pick_device(env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not env.distributed or dist.is_initialized():
+        return device
+    # Under torchrun, env:// reuses the elastic agent's store; srun tasks meet over TCP.
+    init_method = "env://" if env.source == "torchrun" else f"tcp://{_bracket(env.master_addr)}:{env.master_port}"
+    dist.init_process_group(
+        backend=pick_backend(device, backend), init_method=init_method,
+        rank=env.rank, world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return device
+
+
+def _bracket(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

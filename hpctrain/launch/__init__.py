@@ -1,0 +1,1 @@
+"""Launchers: local processes through torchrun (Slurm and containers arrive later)."""

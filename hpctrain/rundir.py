@@ -1,0 +1,94 @@
+"""The run directory: config.yaml, metrics.jsonl, model.pt, summary.json.
+
+Files are written whole or not at all (temporary name, fsync, rename), and a finished
+run is never overwritten unless ``run.overwrite=true``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import nn
+
+SUMMARY = "summary.json"
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used; the message says why and what to do."""
+
+
+def resolve_run_dir(template: str, cfg: Any) -> Path:
+    """``run.dir`` may name config values: ``runs/{data.name}-{model.name}``."""
+    sections = {name: getattr(cfg, name) for name in vars(cfg)}
+    try:
+        return Path(template.format(**sections))
+    except (KeyError, AttributeError, IndexError, ValueError) as err:
+        raise RunDirError(f"run.dir={template!r} names an unknown config key ({err})") from None
+
+
+def prepare_run_dir(path: Path, overwrite: bool) -> None:
+    """Create the directory; refuse to reuse one that holds a finished run."""
+    if (path / SUMMARY).exists() and not overwrite:
+        raise RunDirError(
+            f"run.dir {path} already holds a finished run ({SUMMARY}); hint: choose another run.dir, "
+            "or pass run.overwrite=true to replace its outputs"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(f"cannot create run.dir {path}: {err}") from err
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save_model(model: nn.Module, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(model.state_dict(), tmp)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def params_sha256(model: nn.Module) -> str:
+    """sha256 of every parameter's bytes, in sorted name order: equal hashes = equal weights."""
+    digest = hashlib.sha256()
+    for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl (rank 0 only); lines are flushed so a crash keeps them."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._fh: IO[str] | None = open(path, "a") if path is not None else None
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps(row) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None

@@ -1,0 +1,282 @@
+"""The reference training loop behind ``hpctrain train``, built only from the parts:
+env -> data -> model -> parallel -> precision -> optim -> evaluate -> run dir."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from hpctrain import env as cluster
+from hpctrain.config import Config, check_world, to_yaml
+from hpctrain.data import DataBundle, build_data
+from hpctrain.evaluate import EvalResult, evaluate
+from hpctrain.metrics import Metric, default_metrics
+from hpctrain.models import build_model
+from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
+from hpctrain.parallel import parallelize, unwrap
+from hpctrain.parallel.ddp import no_sync
+from hpctrain.precision import Precision
+from hpctrain.rundir import MetricsLog, atomic_write_text, params_sha256, prepare_run_dir, resolve_run_dir, save_model, write_json
+
+log = logging.getLogger("hpctrain")
+
+
+@dataclass
+class Counters:
+    """Progress that a resumed run must restore."""
+
+    step: int = 0          # optimizer steps done
+    epoch: int = 0         # epochs completed
+    samples_seen: int = 0  # global training samples consumed
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch, self.samples_seen = state["step"], state["epoch"], state["samples_seen"]
+
+
+@dataclass
+class Components:
+    """Everything the loop needs; built by :func:`build_components` or by hand."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    precision: Precision
+    train_loader: Any   # training-loader protocol (hpctrain.data)
+    val_loader: Any     # evaluation-loader protocol, or None
+    metrics: list[Metric]
+    counters: Counters = field(default_factory=Counters)
+
+
+@dataclass
+class LoopResult:
+    train_seconds: float = 0.0
+    eval_seconds: float = 0.0
+    last_eval: EvalResult | None = None
+    last_eval_step: int = -1
+    best: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- set-up
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def configure_runtime(cfg: Config, env: cluster.ClusterEnv) -> None:
+    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
+    torch.set_num_threads(threads)
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def total_steps(cfg: Config, batches_per_epoch: int) -> int:
+    per_epoch = batches_per_epoch // cfg.train.grad_accum
+    steps = per_epoch * cfg.train.epochs
+    return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
+
+
+def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device, data: DataBundle) -> Components:
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    num_classes = cfg.model.num_classes or data.num_classes
+    model = build_model(cfg.model.name, num_classes, data.input_shape[0]).to(device)
+    model = parallelize(model, env, cfg.parallel, compile=cfg.train.compile)
+    global_batch = cfg.data.batch_size * env.world_size * cfg.train.grad_accum
+    optimizer = build_optimizer(model, cfg.optim, peak_lr(cfg.optim, global_batch))
+    steps = total_steps(cfg, len(data.train_loader))
+    needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
+    scheduler = build_scheduler(optimizer, cfg.optim, steps) if needs_schedule else None
+    return Components(model, optimizer, scheduler, Precision(cfg.precision, device), data.train_loader,
+                      data.val_loader, default_metrics(num_classes))
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
+        metrics_log: MetricsLog | None = None) -> LoopResult:
+    """Train until ``train.epochs`` or ``train.max_steps``; validate as configured."""
+    result = LoopResult()
+    steps_goal = total_steps(cfg, len(parts.train_loader))
+    bar = tqdm(total=steps_goal, initial=parts.counters.step, unit="step", dynamic_ncols=True,
+               disable=not (cfg.train.progress and env.is_main), mininterval=0.5, file=sys.stderr)
+    meter = _Meter(cfg.data.batch_size * env.world_size * cfg.train.grad_accum, parts.counters.step)
+    try:
+        while parts.counters.epoch < cfg.train.epochs and parts.counters.step < steps_goal:
+            t0 = time.perf_counter()
+            finished = _train_epoch(cfg, env, device, parts, meter, bar, metrics_log, result, steps_goal)
+            result.train_seconds += time.perf_counter() - t0
+            if not finished:
+                break  # stopped by max_steps mid-epoch
+            parts.counters.epoch += 1
+            if cfg.train.eval_each_epoch:
+                _validate(cfg, env, device, parts, metrics_log, result)
+    finally:
+        bar.close()
+    return result
+
+
+def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
+                 meter: _Meter, bar: tqdm, metrics_log: MetricsLog | None, result: LoopResult,
+                 steps_goal: int) -> bool:
+    """One epoch (or its rest, after a resume); False if max_steps stopped it early."""
+    model, optimizer, precision, counters = parts.model, parts.optimizer, parts.precision, parts.counters
+    accum, loader = cfg.train.grad_accum, parts.train_loader
+    loader.set_epoch(counters.epoch)
+    usable = len(loader) - len(loader) % accum  # a last partial accumulation is dropped
+    loss_sum = torch.zeros((), device=device)
+    for micro, batch in enumerate(loader, start=loader.batches_done):
+        if micro >= usable:
+            break
+        batch = batch.to(device, non_blocking=True)
+        last_micro = (micro + 1) % accum == 0
+        with no_sync(model, skip=not last_micro):
+            with precision.autocast():
+                loss = F.cross_entropy(model(batch.inputs), batch.targets) / accum
+            precision.backward(loss)
+        loss_sum += loss.detach()
+        if not last_micro:
+            continue
+        _optimizer_step(cfg, parts)
+        counters.step += 1
+        counters.samples_seen += meter.global_batch
+        bar.update(1)
+        if counters.step % cfg.train.log_every == 0:
+            _log_row(metrics_log, meter, counters, optimizer, loss_sum, env)
+            loss_sum = torch.zeros((), device=device)
+        if cfg.train.eval_every_steps and counters.step % cfg.train.eval_every_steps == 0:
+            _validate(cfg, env, device, parts, metrics_log, result)
+        if counters.step >= steps_goal:
+            return micro + 1 >= usable
+    return True
+
+
+def _optimizer_step(cfg: Config, parts: Components) -> None:
+    if cfg.train.clip_grad_norm is not None:
+        parts.precision.unscale(parts.optimizer)
+        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), cfg.train.clip_grad_norm)
+    parts.precision.step(parts.optimizer)
+    parts.optimizer.zero_grad(set_to_none=True)
+    if parts.scheduler is not None:
+        parts.scheduler.step()
+
+
+class _Meter:
+    """Throughput between log rows; reads the clock only when a row is written."""
+
+    def __init__(self, global_batch: int, step: int) -> None:
+        self.global_batch = global_batch
+        self.last_step, self.last_time = step, time.perf_counter()
+
+    def samples_per_s(self, step: int) -> float:
+        now = time.perf_counter()
+        rate = (step - self.last_step) * self.global_batch / max(now - self.last_time, 1e-9)
+        self.last_step, self.last_time = step, now
+        return rate
+
+
+def _log_row(metrics_log: MetricsLog | None, meter: _Meter, counters: Counters,
+             optimizer: torch.optim.Optimizer, loss_sum: torch.Tensor, env: cluster.ClusterEnv) -> None:
+    if metrics_log is None:
+        meter.samples_per_s(counters.step)
+        return
+    steps = counters.step - meter.last_step
+    metrics_log.write({
+        "step": counters.step, "epoch": counters.epoch,
+        "loss": float(loss_sum) / max(steps, 1),  # rank 0's training loss: a progress signal only
+        "lr": optimizer.param_groups[0]["lr"], "samples_per_s": meter.samples_per_s(counters.step),
+    })
+
+
+def _validate(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
+              metrics_log: MetricsLog | None, result: LoopResult) -> None:
+    if parts.val_loader is None:
+        return
+    res = evaluate(parts.model, parts.val_loader, parts.metrics, env, device, parts.precision)
+    result.eval_seconds += res.seconds
+    result.last_eval, result.last_eval_step = res, parts.counters.step
+    row = {"step": parts.counters.step, "epoch": parts.counters.epoch, "val_loss": res.metrics["loss"],
+           "val_accuracy": res.metrics["accuracy"], "val_count": res.metrics["count"],
+           "eval_samples_per_s": res.samples_per_s}
+    if metrics_log is not None:
+        metrics_log.write(row)
+    if env.is_main:
+        log.info("step %d  val_loss %.4f  val_accuracy %.4f  (%d samples)", row["step"], row["val_loss"],
+                 row["val_accuracy"], row["val_count"])
+    if not result.best or row["val_accuracy"] > result.best["val_accuracy"]:
+        result.best = {"val_accuracy": row["val_accuracy"], "step": row["step"]}
+
+
+# ---------------------------------------------------------------- the job
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """``hpctrain train``: returns the summary (written to RUN_DIR/summary.json by rank 0)."""
+    env = cluster.detect()
+    check_world(cfg, env.world_size)
+    run_dir = resolve_run_dir(cfg.run.dir, cfg)
+    if env.is_main:
+        prepare_run_dir(run_dir, cfg.run.overwrite)
+    device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
+    try:
+        return _train_in_group(cfg, env, device, run_dir)
+    finally:
+        cluster.teardown()
+
+
+def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, run_dir: Path) -> dict[str, Any]:
+    configure_runtime(cfg, env)
+    data = build_data(cfg, env, device)
+    parts = build_components(cfg, env, device, data)
+    seed_everything(cfg.seed + env.rank)  # dropout etc. differ per rank; data order does not
+    if env.is_main:
+        atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+        log.info("training %s on %s: %d train / %d val samples, world size %d, device %s",
+                 cfg.model.name, cfg.data.name, data.train_size, data.val_size, env.world_size, device)
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl" if env.is_main else None)
+    try:
+        result = fit(cfg, env, device, parts, metrics_log)
+        if result.last_eval_step != parts.counters.step:
+            _validate(cfg, env, device, parts, metrics_log, result)
+    finally:
+        metrics_log.close()
+    summary = _summary(cfg, env, parts, result)
+    if env.is_main:
+        save_model(unwrap(parts.model), run_dir / "model.pt")
+        write_json(run_dir / "summary.json", summary)
+        log.info("done: %s", ", ".join(f"{k}={summary[k]}" for k in ("steps", "val_accuracy", "val_count", "samples_per_s")))
+    return summary
+
+
+def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: LoopResult) -> dict[str, Any]:
+    metrics = result.last_eval.metrics if result.last_eval else {}
+    samples = parts.counters.samples_seen
+    return {
+        "val_loss": metrics.get("loss"), "val_accuracy": metrics.get("accuracy"),
+        "val_count": metrics.get("count"), "val_correct": metrics.get("correct"),
+        "val_top5_accuracy": metrics.get("top5_accuracy"),
+        "samples_per_s": samples / result.train_seconds if result.train_seconds else 0.0,
+        "steps": parts.counters.step, "epochs": parts.counters.epoch, "samples_seen": samples,
+        "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
+        "best": result.best, "params_sha256": params_sha256(unwrap(parts.model)),
+        "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name,
+    }
