@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from hpctrain import env as cluster
 from hpctrain.config import Config, check_world, to_yaml
-from hpctrain.data import DataBundle, build_data
+from hpctrain.data import Batch, DataBundle, build_data
 from hpctrain.evaluate import EvalResult, evaluate
 from hpctrain.metrics import Metric, default_metrics
 from hpctrain.models import build_model
@@ -68,6 +68,7 @@ class LoopResult:
     eval_seconds: float = 0.0
     last_eval: EvalResult | None = None
     last_eval_step: int = -1
+    data_wait_seconds: float = 0.0
     best: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,6 +133,8 @@ def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Compo
                 _validate(cfg, env, device, parts, metrics_log, result)
     finally:
         bar.close()
+    meter.interval(parts.counters.step)
+    result.data_wait_seconds = meter.total_data_wait
     return result
 
 
@@ -144,14 +147,18 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
     loader.set_epoch(counters.epoch)
     usable = len(loader) - len(loader) % accum  # a last partial accumulation is dropped
     loss_sum = torch.zeros((), device=device)
-    for micro, batch in enumerate(loader, start=loader.batches_done):
-        if micro >= usable:
+    batches = iter(loader)
+    for micro in range(loader.batches_done, usable):
+        wait_start = time.perf_counter()
+        batch = next(batches, None)
+        meter.data_wait += time.perf_counter() - wait_start
+        if batch is None:
             break
         batch = batch.to(device, non_blocking=True)
         last_micro = (micro + 1) % accum == 0
         with no_sync(model, skip=not last_micro):
             with precision.autocast():
-                loss = F.cross_entropy(model(batch.inputs), batch.targets) / accum
+                loss = batch_loss(model(batch.inputs), batch) / accum
             precision.backward(loss)
         loss_sum += loss.detach()
         if not last_micro:
@@ -170,6 +177,14 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
     return True
 
 
+def batch_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean cross-entropy over the batch's real samples (padding has mask 0)."""
+    if batch.mask is None:
+        return F.cross_entropy(logits, batch.targets)
+    losses = F.cross_entropy(logits, batch.targets, reduction="none")
+    return (losses * batch.mask).sum() / batch.mask.sum().clamp_min(1)
+
+
 def _optimizer_step(cfg: Config, parts: Components) -> None:
     if cfg.train.clip_grad_norm is not None:
         parts.precision.unscale(parts.optimizer)
@@ -181,29 +196,35 @@ def _optimizer_step(cfg: Config, parts: Components) -> None:
 
 
 class _Meter:
-    """Throughput between log rows; reads the clock only when a row is written."""
+    """Throughput and the share of time spent waiting for data, between log rows."""
 
     def __init__(self, global_batch: int, step: int) -> None:
         self.global_batch = global_batch
         self.last_step, self.last_time = step, time.perf_counter()
+        self.data_wait = 0.0        # seconds in the loader since the last row
+        self.total_data_wait = 0.0  # seconds in the loader over the run
 
-    def samples_per_s(self, step: int) -> float:
+    def interval(self, step: int) -> tuple[float, float]:
+        """(samples/s, data-wait share) since the last call."""
         now = time.perf_counter()
-        rate = (step - self.last_step) * self.global_batch / max(now - self.last_time, 1e-9)
-        self.last_step, self.last_time = step, now
-        return rate
+        elapsed = max(now - self.last_time, 1e-9)
+        rate = (step - self.last_step) * self.global_batch / elapsed
+        share = self.data_wait / elapsed
+        self.total_data_wait += self.data_wait
+        self.last_step, self.last_time, self.data_wait = step, now, 0.0
+        return rate, share
 
 
 def _log_row(metrics_log: MetricsLog | None, meter: _Meter, counters: Counters,
              optimizer: torch.optim.Optimizer, loss_sum: torch.Tensor, env: cluster.ClusterEnv) -> None:
-    if metrics_log is None:
-        meter.samples_per_s(counters.step)
-        return
     steps = counters.step - meter.last_step
+    rate, wait_share = meter.interval(counters.step)
+    if metrics_log is None:
+        return
     metrics_log.write({
         "step": counters.step, "epoch": counters.epoch,
         "loss": float(loss_sum) / max(steps, 1),  # rank 0's training loss: a progress signal only
-        "lr": optimizer.param_groups[0]["lr"], "samples_per_s": meter.samples_per_s(counters.step),
+        "lr": optimizer.param_groups[0]["lr"], "samples_per_s": rate, "data_wait_share": wait_share,
     })
 
 
@@ -277,6 +298,7 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
         "samples_per_s": samples / result.train_seconds if result.train_seconds else 0.0,
         "steps": parts.counters.step, "epochs": parts.counters.epoch, "samples_seen": samples,
         "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
+        "data_wait_share": result.data_wait_seconds / result.train_seconds if result.train_seconds else 0.0,
         "best": result.best, "params_sha256": params_sha256(unwrap(parts.model)),
         "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name,
     }
