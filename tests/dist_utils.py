@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -26,7 +27,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
                      master_addr="127.0.0.1", master_port=port, source="slurm")
     try:
         init_distributed(env, "gloo", timeout_s=60)
-        queue.put((rank, "ok", fn(env, *args)))
+        # Plain pickle bytes: tensors sent through an mp.Queue would live in shared memory
+        # that vanishes when this process exits before the parent has read them.
+        queue.put((rank, "ok", pickle.dumps(fn(env, *args))))
     except BaseException:  # report, never hang the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -52,7 +55,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)

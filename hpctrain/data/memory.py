@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from hpctrain.data.sources import ArrayDataset, Batch, pass_batch
@@ -40,6 +41,7 @@ class MemoryLoader:
                  shuffle: bool = True, drop_last: bool = True, num_workers: int = 0,
                  prefetch_factor: int = 2, pin_memory: bool = False, persistent_workers: bool = True) -> None:
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
+        self.num_workers = num_workers
         self.sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank,
                                           shuffle=shuffle, seed=seed, drop_last=False)
         self._loader_kwargs: dict[str, Any] = dict(
@@ -62,18 +64,31 @@ class MemoryLoader:
         return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
-        start = self.batches_done * self.batch_size
-        if start == 0:
-            loader = self._full_epoch_loader()
-        else:  # a resumed epoch: a one-off loader over the remaining indices
-            loader = DataLoader(self.dataset, sampler=_SkipSampler(self.sampler, start),
-                                **{**self._loader_kwargs, "persistent_workers": False})
-        for batch in loader:
+        batches = self._in_process() if self.num_workers == 0 else self._through_workers()
+        for batch in batches:
             self.batches_done += 1
             yield batch
         self.batches_done = 0
         self.epoch += 1
         self.sampler.set_epoch(self.epoch)
+
+    def _in_process(self) -> Iterator[Batch]:
+        # Without workers a DataLoader adds only per-batch Python overhead to what is one
+        # tensor gather: slice the epoch's index order directly (same order, same batches).
+        order = torch.as_tensor(list(self.sampler), dtype=torch.long)
+        for start in range(self.batches_done * self.batch_size, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            if len(idx) < self.batch_size and self.drop_last:
+                return
+            yield self.dataset.__getitems__(idx)
+
+    def _through_workers(self) -> Iterator[Batch]:
+        start = self.batches_done * self.batch_size
+        if start == 0:
+            return iter(self._full_epoch_loader())
+        # A resumed epoch: a one-off loader over the remaining indices.
+        return iter(DataLoader(self.dataset, sampler=_SkipSampler(self.sampler, start),
+                               **{**self._loader_kwargs, "persistent_workers": False}))
 
     def _full_epoch_loader(self) -> DataLoader:
         # One DataLoader for the whole run, so persistent workers survive epochs.
@@ -91,7 +106,11 @@ class MemoryLoader:
 
 def rank_slice(n: int, env: ClusterEnv) -> range:
     """This rank's contiguous share of n samples; shares differ by at most one."""
-    return range(env.rank * n // env.world_size, (env.rank + 1) * n // env.world_size)
+    return rank_slice_of(n, env.rank, env.world_size)
+
+
+def rank_slice_of(n: int, rank: int, world: int) -> range:
+    return range(rank * n // world, (rank + 1) * n // world)
 
 
 class EvalLoader:

@@ -71,7 +71,7 @@ class ArrayDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inputs[index], self.targets[index]
 
-    def __getitems__(self, indices: list[int]) -> Batch:
+    def __getitems__(self, indices: list[int] | torch.Tensor) -> Batch:
         idx = torch.as_tensor(indices, dtype=torch.long)
         return Batch(self.inputs[idx], self.targets[idx], idx)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -13,6 +13,9 @@ from hpctrain.config import ParallelConfig
 
 def wrap_ddp(model: nn.Module, cfg: ParallelConfig) -> DistributedDataParallel:
     device = next(model.parameters()).device
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers; older releases know only the first.
+    sync_name = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+        DistributedDataParallel.__init__).parameters else "broadcast_buffers"
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -20,7 +23,7 @@ def wrap_ddp(model: nn.Module, cfg: ParallelConfig) -> DistributedDataParallel:
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,
         find_unused_parameters=cfg.find_unused_parameters,
-        broadcast_buffers=cfg.broadcast_buffers,
+        **{sync_name: cfg.broadcast_buffers},
     )
 
 
@@ -29,7 +32,3 @@ def no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager[N
     if skip and isinstance(model, DistributedDataParallel):
         return model.no_sync()
     return contextlib.nullcontext()
-
-
-def is_ddp(model: nn.Module) -> bool:
-    return isinstance(model, (DistributedDataParallel, torch.nn.parallel.DataParallel))
