@@ -1,0 +1,135 @@
+"""Precision, schedules, data sources, the launcher's torchrun command line, determinism."""
+
+import gzip
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from hpctrain.config import load_config
+from hpctrain.data import build_data
+from hpctrain.data.sources import FASHION_DIR, load_dataset, load_fashion_mnist, read_idx
+from hpctrain.env import ClusterEnv
+from hpctrain.launch.local import torchrun_args
+from hpctrain.optim import lr_factor, peak_lr
+from hpctrain.parallel import unwrap
+from hpctrain.precision import Precision
+from hpctrain.rundir import params_sha256
+from hpctrain.train import build_components, fit, seed_everything
+
+CPU = torch.device("cpu")
+
+
+def _run(*overrides: str):
+    cfg = load_config(None, ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny",
+                             "data.synthetic_size=512", "data.batch_size=16", "train.max_steps=8",
+                             "train.progress=false", "train.eval_each_epoch=false", *overrides])
+    env = ClusterEnv()
+    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU, with_val=False))
+    seed_everything(cfg.seed)
+    fit(cfg, env, CPU, parts)
+    return parts
+
+
+def test_optim_lr_factor_warmup_cosine_step():
+    cfg = load_config(None, ["optim.warmup_steps=4", "optim.schedule=cosine", "optim.min_lr_ratio=0.1"]).optim
+    assert [lr_factor(s, cfg, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(4, cfg, 14) == 1.0
+    assert math.isclose(lr_factor(9, cfg, 14), 0.1 + 0.9 * 0.5)
+    assert math.isclose(lr_factor(14, cfg, 14), 0.1)
+    step = load_config(None, ["optim.schedule=step", "optim.step_size=3", "optim.gamma=0.5"]).optim
+    assert [lr_factor(s, step, 10) for s in (0, 2, 3, 6)] == [1.0, 1.0, 0.5, 0.25]
+
+
+def test_linear_lr_scaling_by_global_batch():
+    cfg = load_config(None, ["optim.scale_lr=linear", "optim.base_batch=64", "optim.lr=0.1"]).optim
+    assert math.isclose(peak_lr(cfg, 256), 0.4)
+    assert peak_lr(load_config(None, ["optim.lr=0.1"]).optim, 256) == 0.1
+
+
+def test_scheduler_drives_the_optimizer_lr():
+    parts = _run("optim.schedule=cosine", "optim.warmup_steps=2", "optim.lr=0.5")
+    assert parts.scheduler is not None and parts.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_mixed_precision_trains(mode):
+    parts = _run(f"precision={mode}", "optim.name=adamw", "optim.lr=0.01")
+    assert (parts.precision.scaler is not None) == (mode == "fp16")
+    with parts.precision.autocast():
+        out = unwrap(parts.model)(torch.randn(2, 128))
+    assert out.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+    assert all(torch.isfinite(p).all() for p in parts.model.parameters())
+
+
+def test_fp16_scaler_state_round_trips():
+    prec = Precision("fp16", CPU)
+    state = prec.state_dict()
+    assert "scale" in state
+    other = Precision("fp16", CPU)
+    other.load_state_dict(state)
+    assert other.state_dict()["scale"] == state["scale"]
+
+
+def test_deterministic_runs_repeat_bit_for_bit():
+    a = params_sha256(unwrap(_run("train.deterministic=true", "seed=5").model))
+    b = params_sha256(unwrap(_run("train.deterministic=true", "seed=5").model))
+    c = params_sha256(unwrap(_run("train.deterministic=true", "seed=6").model))
+    torch.use_deterministic_algorithms(False)
+    assert a == b != c
+
+
+def test_clip_grad_norm_limits_the_update():
+    parts = _run("train.clip_grad_norm=1e-6", "optim.momentum=0", "optim.schedule=constant", "train.max_steps=1")
+    assert parts.counters.step == 1  # clipping ran through the precision's unscale path
+
+
+def test_torchrun_command_line_carries_elastic_options():
+    args = torchrun_args(4, ["train", "x.yaml"], max_restarts=3)
+    assert "--nproc-per-node=4" in args and "--max-restarts=3" in args and "--standalone" in args
+    assert args[-4:] == ["-m", "hpctrain", "train", "x.yaml"]
+    multi = torchrun_args(2, ["train"], nnodes="2:4", rdzv_endpoint="n1:29400", rdzv_id="job7")
+    assert "--standalone" not in multi and "--rdzv-endpoint=n1:29400" in multi and "--nnodes=2:4" in multi
+
+
+def _write_idx(path, array: np.ndarray) -> None:
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_idx_reader(tmp_path):
+    images = np.arange(3 * 28 * 28).reshape(3, 28, 28) % 256
+    _write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images)
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.array([1, 2, 9]))
+    assert (read_idx(tmp_path / "t10k-images-idx3-ubyte.gz") == images).all()
+    data = load_fashion_mnist("val", str(tmp_path))
+    assert data.inputs.shape == (3, 1, 28, 28) and data.targets.tolist() == [1, 2, 9]
+
+
+@pytest.mark.skipif(not FASHION_DIR.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
+def test_real_fashion_mnist():
+    data = load_dataset("fashion_mnist", "test")
+    assert len(data) == 10_000 and data.num_classes == 10
+
+
+def test_real_mnist_splits():
+    assert [len(load_dataset("mnist", s)) for s in ("train", "val", "test")] == [50_000, 10_000, 10_000]
+
+
+def test_synthetic_cifar_is_deterministic_and_shaped():
+    a, b = load_dataset("synthetic_cifar", "train", synthetic_size=64), load_dataset("synthetic_cifar", "train",
+                                                                                       synthetic_size=64)
+    assert a.inputs.shape == (64, 3, 32, 32) and torch.equal(a.inputs, b.inputs)
+
+
+@pytest.mark.slow
+def test_compile_is_opt_in_and_trains():
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    assert not isinstance(_run("train.max_steps=1").model, OptimizedModule)
+    parts = _run("train.compile=true", "train.max_steps=3")
+    assert isinstance(parts.model, OptimizedModule) and parts.counters.step == 3
+    assert isinstance(unwrap(parts.model), torch.nn.Sequential)
