@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from hpctrain import env as cluster
 from hpctrain.data.memory import EvalLoader
@@ -32,9 +32,10 @@ from hpctrain.models import build_model
 @torch.no_grad()
 def sampler_counts(model: torch.nn.Module, data, env: cluster.ClusterEnv) -> tuple[int, int]:
     """(correct, count) of this rank's DistributedSampler shard: padded with repeats."""
-    sampler = DistributedSampler(data, num_replicas=env.world_size, rank=env.rank, shuffle=False)
+    plain = TensorDataset(data.inputs, data.targets)  # what the tutorial scripts use
+    sampler = DistributedSampler(plain, num_replicas=env.world_size, rank=env.rank, shuffle=False)
     correct = count = 0
-    for x, y in DataLoader(data, batch_size=256, sampler=sampler):
+    for x, y in DataLoader(plain, batch_size=256, sampler=sampler):
         correct += int((model(x).argmax(1) == y).sum())
         count += len(y)
     return correct, count

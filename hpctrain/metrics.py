@@ -106,7 +106,7 @@ class Accuracy(Metric):
         correct, count = int(self.states["correct"]), int(self.states["count"])
         accuracy = correct / count if count else math.nan
         if self.k == 1:
-            return {"accuracy": accuracy, "correct": correct}
+            return {"accuracy": accuracy, "correct": correct, "count": count}
         return {f"top{self.k}_accuracy": accuracy}
 
 

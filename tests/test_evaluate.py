@@ -99,7 +99,7 @@ def test_metric_units():
     acc, top2, loss, cm = Accuracy(1), Accuracy(2), MeanLoss(perplexity=True), ConfusionMatrix(3)
     for metric in (acc, top2, loss, cm):
         metric.update(out)
-    assert acc.compute() == {"accuracy": 0.5, "correct": 2}
+    assert acc.compute() == {"accuracy": 0.5, "correct": 2, "count": 4}
     assert top2.compute() == {"top2_accuracy": 0.75}
     assert math.isclose(loss.compute()["perplexity"], math.exp(loss.compute()["loss"]))
     assert cm.compute()["confusion_matrix"] == [[1, 0, 0], [1, 0, 0], [0, 1, 1]]
