@@ -7,7 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
+from hpctrain.checkpoint import cli as ckpt_cli
 from hpctrain.config import ConfigError, load_config, reference_markdown, to_yaml
+from hpctrain.data.cli import add_parser as add_data_parser
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -24,10 +26,10 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - returns Config
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from hpctrain.checkpoint.preempt import exit_code
     from hpctrain.train import train
 
-    train(_config(args))
-    return 0
+    return exit_code(train(_config(args)).get("outcome"))  # 3 = preempted: requeue
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -43,9 +45,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     rest = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     if not rest or rest[0] not in ("train", "eval"):
         rest = ["train", *rest]
-    _config(build_parser().parse_args(rest))  # fail here, once, not in N ranks
-    return launch(args.nproc, rest, max_restarts=args.max_restarts, nnodes=args.nnodes,
-                  rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    import time
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from hpctrain.checkpoint.preempt import launcher_exit_code
+
+    cfg = _config(build_parser().parse_args(rest))  # fail here, once, not in N ranks
+    started = time.time()
+    try:
+        code = launch(args.nproc, rest, max_restarts=args.max_restarts, nnodes=args.nnodes,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    except SignalException as err:  # torchrun got SIGTERM and forwarded it to the ranks
+        print(f"hpctrain run: stopped by {err.sigval.name}", file=sys.stderr)
+        code = 128 + int(err.sigval)
+    return launcher_exit_code(cfg, code, started) if rest[0] == "train" else code
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -98,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="list registered models with parameter counts")
     p.set_defaults(func=cmd_models)
+
+    ckpt_cli.add_parser(sub)
+
+    add_data_parser(sub)
     return parser
 
 

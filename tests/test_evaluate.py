@@ -5,11 +5,10 @@ import math
 import pytest
 import torch
 
-from hpctrain.data.memory import EvalLoader
+from hpctrain.data.memory import EvalLoader, rank_slice_of
 from hpctrain.data.sources import synthetic
-from hpctrain.data.memory import rank_slice_of
-from hpctrain.evaluate import evaluate
 from hpctrain.env import ClusterEnv
+from hpctrain.evaluate import evaluate
 from hpctrain.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric, default_metrics
 from tests.dist_utils import run_ranks
 from tests.models import tiny_mlp
