@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import IO, Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 SUMMARY = "summary.json"
+CHECKPOINTS = "checkpoints"
 
 
 class RunDirError(RuntimeError):
@@ -31,17 +33,43 @@ def resolve_run_dir(template: str, cfg: Any) -> Path:
         raise RunDirError(f"run.dir={template!r} names an unknown config key ({err})") from None
 
 
-def prepare_run_dir(path: Path, overwrite: bool) -> None:
-    """Create the directory; refuse to reuse one that holds a finished run."""
-    if (path / SUMMARY).exists() and not overwrite:
+def prepare_run_dir(path: Path, overwrite: bool, resume: str = "never") -> None:
+    """Create the directory; refuse to reuse one that holds a finished run.
+
+    An unfinished run (checkpoints, no summary.json) is continued by ``resume=auto``; with
+    ``resume=never`` it is only replaced under ``run.overwrite=true``. Replacing a run removes
+    its checkpoints, so two runs never mix."""
+    finished = (path / SUMMARY).exists()
+    if finished and not overwrite:
+        what = "nothing to resume" if resume != "never" else "it would be overwritten"
         raise RunDirError(
-            f"run.dir {path} already holds a finished run ({SUMMARY}); hint: choose another run.dir, "
+            f"run.dir {path} already holds a finished run ({SUMMARY}): {what}; hint: choose another run.dir, "
             "or pass run.overwrite=true to replace its outputs"
         )
+    checkpoints = path / CHECKPOINTS
+    # run.overwrite never discards an unfinished run that resume=auto would continue: a
+    # requeued job carrying overwrite=true must not lose its checkpoints on every restart.
+    if checkpoints.is_dir() and any(checkpoints.iterdir()) and (finished or resume == "never"):
+        if not overwrite:
+            raise RunDirError(
+                f"run.dir {path} holds checkpoints of an unfinished run; hint: resume=auto continues it, "
+                "run.overwrite=true starts over"
+            )
+        _remove_old_checkpoints(checkpoints)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot create run.dir {path}: {err}") from err
+
+
+def _remove_old_checkpoints(checkpoints: Path) -> None:
+    # Rename first, so a crash half-way never leaves a mix that resume=auto would read.
+    trash = checkpoints.with_name(f".{CHECKPOINTS}.old-{os.getpid()}")
+    try:
+        os.replace(checkpoints, trash)
+        shutil.rmtree(trash)
+    except OSError as err:
+        raise RunDirError(f"run.overwrite=true: cannot remove the old {checkpoints}: {err}") from err
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -3,6 +3,7 @@ env -> data -> model -> parallel -> precision -> optim -> evaluate -> run dir.""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -19,6 +20,8 @@ from torch import nn
 from tqdm import tqdm
 
 from hpctrain import env as cluster
+from hpctrain.checkpoint import Checkpointer
+from hpctrain.checkpoint.preempt import SignalFlag, write_status
 from hpctrain.config import Config, check_world, to_yaml
 from hpctrain.data import Batch, DataBundle, build_data
 from hpctrain.evaluate import EvalResult, evaluate
@@ -70,6 +73,7 @@ class LoopResult:
     last_eval_step: int = -1
     data_wait_seconds: float = 0.0
     best: dict[str, Any] = field(default_factory=dict)
+    preempted: bool = False  # stopped by a signal after a committed checkpoint
 
 
 # ---------------------------------------------------------------- set-up
@@ -114,9 +118,9 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
 
 
 def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
-        metrics_log: MetricsLog | None = None) -> LoopResult:
+        metrics_log: MetricsLog | None = None, ckpt: Checkpointer | None = None) -> LoopResult:
     """Train until ``train.epochs`` or ``train.max_steps``; validate as configured."""
-    result = LoopResult()
+    result = LoopResult(best=dict(ckpt.best) if ckpt is not None else {})
     steps_goal = total_steps(cfg, len(parts.train_loader))
     bar = tqdm(total=steps_goal, initial=parts.counters.step, unit="step", dynamic_ncols=True,
                disable=not (cfg.train.progress and env.is_main), mininterval=0.5, file=sys.stderr)
@@ -124,13 +128,13 @@ def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Compo
     try:
         while parts.counters.epoch < cfg.train.epochs and parts.counters.step < steps_goal:
             t0 = time.perf_counter()
-            finished = _train_epoch(cfg, env, device, parts, meter, bar, metrics_log, result, steps_goal)
+            finished = _train_epoch(cfg, env, device, parts, meter, bar, metrics_log, result, steps_goal, ckpt)
             result.train_seconds += time.perf_counter() - t0
             if not finished:
                 break  # stopped by max_steps mid-epoch
             parts.counters.epoch += 1
             if cfg.train.eval_each_epoch:
-                _validate(cfg, env, device, parts, metrics_log, result)
+                _validate(cfg, env, device, parts, metrics_log, result, ckpt)
     finally:
         bar.close()
     meter.interval(parts.counters.step)
@@ -140,15 +144,16 @@ def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Compo
 
 def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
                  meter: _Meter, bar: tqdm, metrics_log: MetricsLog | None, result: LoopResult,
-                 steps_goal: int) -> bool:
+                 steps_goal: int, ckpt: Checkpointer | None = None) -> bool:
     """One epoch (or its rest, after a resume); False if max_steps stopped it early."""
     model, optimizer, precision, counters = parts.model, parts.optimizer, parts.precision, parts.counters
     accum, loader = cfg.train.grad_accum, parts.train_loader
     loader.set_epoch(counters.epoch)
     usable = len(loader) - len(loader) % accum  # a last partial accumulation is dropped
-    loss_sum = torch.zeros((), device=device)
-    batches = iter(loader)
-    for micro in range(loader.batches_done, usable):
+    losses: list[torch.Tensor] = []  # summed only when a row is logged: no per-step tensor op
+    start = loader.batches_done
+    batches = _epoch_batches(loader) if start < usable else iter(())
+    for micro in range(start, usable):
         wait_start = time.perf_counter()
         batch = next(batches, None)
         meter.data_wait += time.perf_counter() - wait_start
@@ -158,9 +163,11 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
         last_micro = (micro + 1) % accum == 0
         with no_sync(model, skip=not last_micro):
             with precision.autocast():
-                loss = batch_loss(model(batch.inputs), batch) / accum
+                loss = batch_loss(model(batch.inputs), batch)
+                if accum > 1:
+                    loss = loss / accum
             precision.backward(loss)
-        loss_sum += loss.detach()
+        losses.append(loss.detach())
         if not last_micro:
             continue
         _optimizer_step(cfg, parts)
@@ -168,13 +175,27 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
         counters.samples_seen += meter.global_batch
         bar.update(1)
         if counters.step % cfg.train.log_every == 0:
-            _log_row(metrics_log, meter, counters, optimizer, loss_sum, env)
-            loss_sum = torch.zeros((), device=device)
+            _log_row(metrics_log, meter, counters, optimizer, losses)
+            losses = []
         if cfg.train.eval_every_steps and counters.step % cfg.train.eval_every_steps == 0:
-            _validate(cfg, env, device, parts, metrics_log, result)
+            _validate(cfg, env, device, parts, metrics_log, result, ckpt)
+        if ckpt is not None and ckpt.at_step(result.best):  # scheduled save, or a signal: save and stop
+            result.preempted = True
+            return False
         if counters.step >= steps_goal:
             return micro + 1 >= usable
     return True
+
+
+def _epoch_batches(loader: Any) -> Any:
+    """The epoch's batches. Starting a DataLoader iterator draws a worker seed from the
+    global torch RNG; isolating that draw keeps the dropout stream of a run resumed
+    mid-epoch identical to an uninterrupted one."""
+    batches = iter(loader)
+    rng = torch.get_rng_state()
+    first = next(batches, None)
+    torch.set_rng_state(rng)
+    return batches if first is None else itertools.chain((first,), batches)
 
 
 def batch_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -216,20 +237,20 @@ class _Meter:
 
 
 def _log_row(metrics_log: MetricsLog | None, meter: _Meter, counters: Counters,
-             optimizer: torch.optim.Optimizer, loss_sum: torch.Tensor, env: cluster.ClusterEnv) -> None:
+             optimizer: torch.optim.Optimizer, losses: list[torch.Tensor]) -> None:
     steps = counters.step - meter.last_step
     rate, wait_share = meter.interval(counters.step)
     if metrics_log is None:
         return
     metrics_log.write({
         "step": counters.step, "epoch": counters.epoch,
-        "loss": float(loss_sum) / max(steps, 1),  # rank 0's training loss: a progress signal only
+        "loss": float(torch.stack(losses).sum()) / max(steps, 1),  # rank 0's loss: a progress signal only
         "lr": optimizer.param_groups[0]["lr"], "samples_per_s": rate, "data_wait_share": wait_share,
     })
 
 
 def _validate(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
-              metrics_log: MetricsLog | None, result: LoopResult) -> None:
+              metrics_log: MetricsLog | None, result: LoopResult, ckpt: Checkpointer | None = None) -> None:
     if parts.val_loader is None:
         return
     res = evaluate(parts.model, parts.val_loader, parts.metrics, env, device, parts.precision)
@@ -245,6 +266,8 @@ def _validate(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts:
                  row["val_accuracy"], row["val_count"])
     if not result.best or row["val_accuracy"] > result.best["val_accuracy"]:
         result.best = {"val_accuracy": row["val_accuracy"], "step": row["step"]}
+        if ckpt is not None:
+            ckpt.note_best(result.best)
 
 
 # ---------------------------------------------------------------- the job
@@ -256,7 +279,7 @@ def train(cfg: Config) -> dict[str, Any]:
     check_world(cfg, env.world_size)
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
     if env.is_main:
-        prepare_run_dir(run_dir, cfg.run.overwrite)
+        prepare_run_dir(run_dir, cfg.run.overwrite, resume=cfg.resume if cfg.checkpoint.enabled else "never")
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     try:
         return _train_in_group(cfg, env, device, run_dir)
@@ -265,27 +288,69 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, run_dir: Path) -> dict[str, Any]:
+    signals = SignalFlag(cfg.checkpoint.signals if cfg.checkpoint.enabled else [])
+    signals.install()  # early: a preemption during set-up must not kill the job unsaved
     configure_runtime(cfg, env)
     data = build_data(cfg, env, device)
     parts = build_components(cfg, env, device, data)
     seed_everything(cfg.seed + env.rank)  # dropout etc. differ per rank; data order does not
+    ckpt = Checkpointer(cfg, env, device, run_dir, parts, signals) if cfg.checkpoint.enabled else None
+    if ckpt is not None:
+        ckpt.resume(cfg.resume)  # before metrics.jsonl opens: resume trims rows past the checkpoint
     if env.is_main:
         atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+        write_status(run_dir, "running", step=parts.counters.step)
         log.info("training %s on %s: %d train / %d val samples, world size %d, device %s",
                  cfg.model.name, cfg.data.name, data.train_size, data.val_size, env.world_size, device)
     metrics_log = MetricsLog(run_dir / "metrics.jsonl" if env.is_main else None)
     try:
-        result = fit(cfg, env, device, parts, metrics_log)
-        if result.last_eval_step != parts.counters.step:
-            _validate(cfg, env, device, parts, metrics_log, result)
+        result = _run_loop(cfg, env, device, parts, metrics_log, ckpt)
+    except BaseException:
+        if env.is_main:
+            write_status(run_dir, "failed", step=parts.counters.step)
+        raise
     finally:
+        signals.uninstall()
         metrics_log.close()
+    if result.preempted:
+        return _preempted(env, run_dir, parts, ckpt)
     summary = _summary(cfg, env, parts, result)
     if env.is_main:
         save_model(unwrap(parts.model), run_dir / "model.pt")
         write_json(run_dir / "summary.json", summary)
+        write_status(run_dir, "finished", step=parts.counters.step)
         log.info("done: %s", ", ".join(f"{k}={summary[k]}" for k in ("steps", "val_accuracy", "val_count", "samples_per_s")))
     return summary
+
+
+def _run_loop(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
+              metrics_log: MetricsLog, ckpt: Checkpointer | None) -> LoopResult:
+    """fit, the final validation and the final checkpoint; an in-flight save always ends."""
+    try:
+        result = fit(cfg, env, device, parts, metrics_log, ckpt)
+        if not result.preempted and result.last_eval_step != parts.counters.step:
+            _validate(cfg, env, device, parts, metrics_log, result, ckpt)
+        if ckpt is not None and not result.preempted:
+            ckpt.finish(result.best)
+    except BaseException:
+        if ckpt is not None:
+            ckpt.abandon()  # waits for a save in flight; its own error is logged, not raised over ours
+        raise
+    if ckpt is not None:
+        ckpt.close()
+        result.best = ckpt.best_record(result.best)
+    return result
+
+
+def _preempted(env: cluster.ClusterEnv, run_dir: Path, parts: Components, ckpt: Checkpointer | None) -> dict[str, Any]:
+    """Stopped by a signal after a committed checkpoint: no summary.json (the run is not
+    finished), status.json says preempted and the CLI exits with EXIT_PREEMPTED."""
+    where = str(ckpt.writer.last_committed) if ckpt is not None else None
+    if env.is_main:
+        write_status(run_dir, "preempted", step=parts.counters.step, checkpoint=where)
+        log.warning("preempted: checkpoint %s committed at step %d; run the same command again to resume",
+                    where, parts.counters.step)
+    return {"outcome": "preempted", "steps": parts.counters.step, "checkpoint": where}
 
 
 def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: LoopResult) -> dict[str, Any]:
@@ -300,5 +365,5 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
         "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
         "data_wait_share": result.data_wait_seconds / result.train_seconds if result.train_seconds else 0.0,
         "best": result.best, "params_sha256": params_sha256(unwrap(parts.model)),
-        "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name,
+        "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name, "outcome": "finished",
     }

@@ -1,0 +1,338 @@
+"""Writing checkpoints: sync, async (one in flight) and two-tier (node-local first).
+
+Every save is two phases:
+
+1. *write*: this rank's files go to the target directory (the shared ``.partial-step-N``,
+   or, in two-tier mode, a node-local directory that is then copied over), fsynced and
+   hashed while written;
+2. *commit*: the ranks exchange their file lists (or errors) over a dedicated gloo group,
+   rank 0 writes the manifest and renames the directory, and every rank learns the
+   outcome, so an error surfaces on all ranks alike, never only on one.
+
+sync: both phases in the caller. async: the state is copied into reused CPU buffers
+(the only stall), then both phases run in a background thread. two-tier: the write goes
+to ``checkpoint.local_dir`` and the copy + commit always run in the background.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.checkpoint import layout, tensorfile
+from hpctrain.checkpoint.state import REPLICATED, REPLICATED_TENSORS, SHARDED_DIR, Snapshot, rank_file
+from hpctrain.env import ClusterEnv
+
+log = logging.getLogger("hpctrain")
+
+
+# ---------------------------------------------------------------- staging
+
+
+class Stager:
+    """Copies every tensor of a state tree into CPU buffers that are kept between saves.
+
+    Re-writing touched memory is an order of magnitude faster than first-touching fresh
+    pages, so after the first save a stage is a plain memcpy. Containers are rebuilt,
+    so later changes to the live state cannot leak into a checkpoint being written.
+    Tensors whose storage is in ``defer`` are left as live references, for a second
+    pass (in the writer thread) to copy.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def stage(self, tree: Any, defer: set[int] | None = None) -> Any:
+        return self._walk(tree, (), {}, defer or set())
+
+    def _walk(self, obj: Any, path: tuple[Any, ...], memo: dict[int, Any], defer: set[int]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in memo:  # a tensor saved twice (tied weights) stays one storage
+                memo[id(obj)] = obj if obj.data_ptr() in defer else self._copy(obj, path)
+            return memo[id(obj)]
+        if isinstance(obj, dict):
+            out = copy.copy(obj)  # keeps the type and attributes (state_dict's _metadata)
+            for key, value in obj.items():
+                out[key] = self._walk(value, (*path, key), memo, defer)
+            return out
+        if isinstance(obj, (list, tuple)):
+            items = [self._walk(v, (*path, i), memo, defer) for i, v in enumerate(obj)]
+            return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+        if obj is None or isinstance(obj, (int, float, str, bool, bytes)):
+            return obj
+        return copy.deepcopy(obj)
+
+    def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        src = tensor.detach()
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+            self._buffers[path] = buf
+        if buf.data_ptr() != src.data_ptr():  # the second pass meets first-pass copies again
+            buf.copy_(src)
+        return buf
+
+
+def to_cpu(tree: Any) -> Any:
+    """Device tensors moved to CPU, CPU tensors untouched: sync and async files match."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu() if tree.device.type != "cpu" else tree
+    if isinstance(tree, dict):
+        out = copy.copy(tree)
+        for key, value in tree.items():
+            out[key] = to_cpu(value)
+        return out
+    if isinstance(tree, list):
+        return [to_cpu(v) for v in tree]
+    return tree
+
+
+# ---------------------------------------------------------------- the writer
+
+
+@dataclass
+class _Written:
+    """The outcome of one rank's write phase."""
+
+    files: dict[str, dict[str, Any]]
+    where: Path            # the directory holding this rank's files
+    error: str | None = None
+
+
+@dataclass
+class SaveTiming:
+    stall_s: float = 0.0   # how long the training loop was blocked
+    total_s: float = 0.0   # until committed
+
+
+class CheckpointWriter:
+    """Writes :class:`Snapshot` objects of one run under ``root`` (RUN_DIR/checkpoints)."""
+
+    def __init__(self, root: Path, env: ClusterEnv, *, mode: str = "sync", local_dir: str | None = None,
+                 stagger_s: float = 0.0, keep_last: int = 3, keep_every: int | None = None,
+                 group: Any = None) -> None:
+        self.root, self.env, self.mode = Path(root), env, mode
+        self.local = _local_root(local_dir, self.root) if local_dir else None
+        self.stagger_s, self.keep_last, self.keep_every, self.group = stagger_s, keep_last, keep_every, group
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-ckpt")
+        self._pending: Future[Path] | None = None
+        self._stager = Stager()
+        self._staged = threading.Event()  # clear while the writer thread still copies live tensors
+        self._staged.set()
+        self.last = SaveTiming()
+        self.last_committed: Path | None = None
+
+    # -- public
+
+    def save(self, snap: Snapshot, *, blocking: bool = False, defer: set[int] | None = None) -> None:
+        """Write ``snap``; in async / two-tier mode return before it is committed unless
+        ``blocking``. Raises the error of the previous save, if it failed.
+
+        ``defer``: storages (``data_ptr``) that stay unchanged until :meth:`wait_staged`
+        returns, e.g. parameters and optimizer state until the next ``optimizer.step()``;
+        async mode copies them in the writer thread instead of in the loop."""
+        start = time.perf_counter()
+        self.wait()
+        in_background = self.mode == "async" and not blocking
+        if in_background:
+            snap = _stage(snap, self._stager, defer)
+            if defer:
+                self._staged.clear()
+            self._pending = self._pool.submit(self._stage_write_commit, snap, start, bool(defer))
+        else:
+            snap = _stage(snap, None)
+            written = self._write(snap)
+            if self.local is not None and not blocking:
+                self._pending = self._pool.submit(self._commit, snap, written, start)
+            else:
+                self._commit(snap, written, start)
+        self.last.stall_s = time.perf_counter() - start
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight holds its own copy of every deferred tensor."""
+        self._staged.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight is committed; re-raise its error here."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else self.last_committed
+
+    def busy(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    # -- phases
+
+    def _stage_write_commit(self, snap: Snapshot, start: float, deferred: bool) -> Path:
+        try:
+            if deferred:
+                snap = _stage(snap, self._stager, None)
+        except Exception as err:  # still go through _commit: the other ranks wait there
+            failed = _Written({}, self._target(snap.step), f"rank {self.env.rank}: staging: {err}")
+            return self._commit(snap, failed, start)
+        finally:
+            self._staged.set()
+        return self._commit(snap, self._write(snap), start)
+
+    def _write(self, snap: Snapshot) -> _Written:
+        target = self._target(snap.step)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            return _Written(write_files(snap, target, self.env, self.group), target)
+        except Exception as err:  # reported to every rank in _commit, raised there
+            return _Written({}, target, f"rank {self.env.rank}: {type(err).__name__}: {err}")
+
+    def _target(self, step: int) -> Path:
+        base = self.local if self.local is not None else self.root
+        return layout.partial_dir(base, step)
+
+    def _commit(self, snap: Snapshot, written: _Written, start: float) -> Path:
+        final = self.root / layout.step_name(snap.step)
+        partial = layout.partial_dir(self.root, snap.step)
+        if written.error is None and self.local is not None:
+            written = self._copy_to_shared(written, partial)
+        results = _gather((written.files, written.error), self.group, self.env)
+        errors = [err for _, err in results if err]
+        outcome = None if errors else self._finish(partial, final, results, snap)
+        outcomes = _gather(outcome, self.group, self.env)
+        failure = errors or [o for o in outcomes if o]
+        if failure:
+            if self.env.is_main:
+                _discard(partial)
+            raise layout.CheckpointError(
+                f"checkpoint {final} was not saved ({'; '.join(failure)}); the previous checkpoint "
+                f"{self.last_committed or '(none)'} is intact; hint: check free space and permissions of {self.root}")
+        self.last_committed = final
+        self.last.total_s = time.perf_counter() - start
+        return final
+
+    def _finish(self, partial: Path, final: Path, results: list[Any], snap: Snapshot) -> str | None:
+        """Rank 0: manifest, rename, retention. Returns an error text or None."""
+        if not self.env.is_main:
+            return None
+        files: dict[str, dict[str, Any]] = {}
+        for rank_files, _ in results:
+            files.update(rank_files)
+        try:
+            layout.commit(partial, final, files, snap.info)
+        except Exception as err:
+            return f"commit: {type(err).__name__}: {err}"
+        layout.apply_retention(self.root, self.keep_last, self.keep_every)
+        return None
+
+    def _copy_to_shared(self, written: _Written, partial: Path) -> _Written:
+        """Two-tier: node-local files -> the shared partial directory, checksums re-checked."""
+        time.sleep(self.env.node_rank * self.stagger_s)  # nodes do not hit the shared FS at once
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+            for name, entry in written.files.items():
+                copied = _copy_file(written.where / name, partial / name)
+                if copied[tensorfile.DIGEST] != entry[tensorfile.DIGEST]:
+                    raise layout.CheckpointError(f"{partial / name}: copy differs from {written.where / name}")
+            _prune_local(self.local, written.where)  # type: ignore[arg-type]
+            return written
+        except Exception as err:
+            return replace(written, error=f"rank {self.env.rank}: copy to {partial}: {type(err).__name__}: {err}")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def write_files(snap: Snapshot, target: Path, env: ClusterEnv, group: Any) -> dict[str, dict[str, Any]]:
+    """This rank's files in ``target`` (fsynced); returns their manifest entries."""
+    files = {}
+    if snap.sharded is not None:
+        files.update(_write_sharded(snap.sharded, target / SHARDED_DIR, env, group))
+    if snap.replicated is not None:
+        skeleton, tensors = tensorfile.split(snap.replicated)
+        files[REPLICATED_TENSORS] = tensorfile.write(target / REPLICATED_TENSORS, tensors)
+        files[REPLICATED] = layout.save_file(skeleton, target / REPLICATED)
+    files[rank_file(env.rank)] = layout.save_file(snap.per_rank, target / rank_file(env.rank))
+    return files
+
+
+def _write_sharded(state: dict[str, Any], directory: Path, env: ClusterEnv, group: Any) -> dict[str, dict[str, Any]]:
+    import torch.distributed.checkpoint as dcp
+
+    directory.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True), process_group=group,
+             no_dist=group is None and not dist.is_initialized())
+    mine = [p for p in directory.iterdir() if p.name.startswith(f"__{env.rank}_")]
+    if env.is_main:
+        mine += [p for p in directory.iterdir() if p.name == ".metadata"]
+    return {f"{SHARDED_DIR}/{p.name}": layout.hash_file(p) for p in sorted(mine)}
+
+
+def _stage(snap: Snapshot, stager: Stager | None, defer: set[int] | None = None) -> Snapshot:
+    def move(tree: Any) -> Any:
+        return stager.stage(tree, defer) if stager is not None else to_cpu(tree)
+
+    replicated = move(snap.replicated) if snap.replicated is not None else None
+    sharded = snap.sharded if stager is None else (move(snap.sharded) if snap.sharded is not None else None)
+    return replace(snap, replicated=replicated, per_rank=move(snap.per_rank), sharded=sharded)
+
+
+def _gather(obj: Any, group: Any, env: ClusterEnv) -> list[Any]:
+    if not env.distributed:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _discard(path: Path) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        log.warning("checkpoint: could not remove the unfinished %s (%s)", path, err)
+
+
+def _copy_file(src: Path, dst: Path) -> dict[str, Any]:
+    out = layout.HashingWriter(dst)
+    try:
+        with open(src, "rb", buffering=0) as fh:
+            while chunk := fh.read(16 << 20):
+                out.write(chunk)
+    except BaseException:
+        out.abort()
+        raise
+    return out.close()
+
+
+def _local_root(local_dir: str, shared_root: Path) -> Path:
+    # One node-local directory may serve several runs: key it by the run's shared path.
+    key = hashlib.sha256(str(shared_root.resolve()).encode()).hexdigest()[:12]
+    return Path(local_dir) / f"hpctrain-{key}"
+
+
+def _prune_local(local: Path, keep: Path) -> None:
+    """The node-local tier keeps only the newest copy (it exists to make saves fast)."""
+    for path in local.glob(f"{layout.PARTIAL_PREFIX}*"):
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def default_group(env: ClusterEnv) -> Any:
+    """A gloo group only for checkpoint coordination: its collectives may run in the
+    writer thread without interleaving with the training loop's."""
+    if not env.distributed or not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo")

@@ -1,0 +1,171 @@
+"""Kill real 2-rank runs (torchrun, gloo) and resume them: final weights must be bit-identical.
+
+Each run is a subprocess; steps are slowed to ~20 ms (tests.ckpt_models:slow_mlp) so a
+signal lands mid-epoch. Epochs have 32 steps; runs are 2 epochs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain.checkpoint import layout
+from hpctrain.checkpoint.preempt import EXIT_PREEMPTED
+from hpctrain.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["model.name=tests.ckpt_models:slow_mlp", "data.name=synthetic_tiny", "data.synthetic_size=1024",
+        "data.batch_size=16", "data.max_val_samples=64", "train.epochs=2", "train.log_every=1",
+        "train.progress=false", "checkpoint.every_seconds=None", "train.threads=1"]
+TIMEOUT = 120
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
+                                                                        "SLURM_", "TORCHELASTIC_", "GROUP_RANK"))}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _torchrun(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "--monitor-interval=0.2", "-m", "hpctrain", "train", *ARGS, f"run.dir={run_dir}", *extra]
+
+
+def _hpctrain_run(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hpctrain", "run", "-n", "2", "train", *ARGS, f"run.dir={run_dir}", *extra]
+
+
+def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen[bytes]) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"run timed out:\n{out.decode()[-4000:]}")
+    return proc.returncode, out.decode()
+
+
+def _run(cmd: list[str]) -> tuple[int, str]:
+    return _finish(_start(cmd))
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in lines if line.endswith("}")]
+    return max(steps, default=0)
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes]) -> int:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        current = _last_step(run_dir)
+        if current >= step:
+            return current
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before step {step}:\n{proc.communicate()[0].decode()[-4000:]}")
+        time.sleep(0.01)
+    pytest.fail(f"no step {step} within {TIMEOUT} s")
+
+
+def _params(run_dir: Path) -> str:
+    return json.loads((run_dir / "summary.json").read_text())["params_sha256"]
+
+
+def _workers(launcher_pid: int) -> list[int]:
+    """The rank processes: children of the torchrun agent (which is the launcher itself)."""
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    code, out = _run(_torchrun(run_dir, "checkpoint.enabled=false"))
+    assert code == 0, out[-4000:]
+    return _params(run_dir)
+
+
+def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path: Path, reference: str) -> None:
+    run_dir = tmp_path / "run"
+    kill_at = random.Random().randint(6, 28) + 32 * random.Random().randint(0, 1)  # mid-epoch, either epoch
+    proc = _start(_torchrun(run_dir, "checkpoint.every_steps=4"))
+    _wait_for_step(run_dir, kill_at, proc)
+    for pid in [*_workers(proc.pid), proc.pid]:  # ranks and agent (torchrun gives ranks their own session)
+        os.kill(pid, signal.SIGKILL)  # nothing gets to clean up, as on a node failure
+    proc.communicate()
+    assert not (run_dir / "summary.json").exists()
+    saved = [s for s, _ in layout.committed(run_dir / "checkpoints")]
+    assert saved and saved[-1] < 64, saved
+    code, out = _run(_torchrun(run_dir, "checkpoint.every_steps=4"))
+    assert code == 0, out[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints' / layout.step_name(saved[-1])}" in out
+    assert _params(run_dir) == reference, f"killed at step ~{kill_at}, resumed from {saved[-1]}"
+
+
+def test_sigusr1_to_one_rank_saves_within_a_step_and_resumes_bit_identical(tmp_path: Path, reference: str) -> None:
+    run_dir = tmp_path / "run"
+    dcp = "checkpoint.format=dcp"  # sharded writer: every rank writes through torch.distributed.checkpoint
+    proc = _start(_hpctrain_run(run_dir, dcp))  # no step schedule: only the signal saves
+    seen = _wait_for_step(run_dir, 20, proc)
+    ranks = _workers(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGUSR1)  # one rank only: the all-reduce must carry it to the other
+    code, out = _finish(proc)
+    assert code == EXIT_PREEMPTED, out[-4000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["outcome"] == "preempted"
+    saved = [s for s, _ in layout.committed(run_dir / "checkpoints")]
+    assert len(saved) == 1 and seen <= saved[0] <= seen + 2, (seen, saved)
+    assert not (run_dir / "summary.json").exists()
+    code, out = _run(_hpctrain_run(run_dir, dcp))
+    assert code == 0, out[-4000:]
+    assert json.loads((run_dir / "status.json").read_text())["outcome"] == "finished"
+    assert _params(run_dir) == reference
+    # the 2-rank sharded checkpoint consolidates in one process, without a process group
+    import torch
+    from safetensors.torch import load_file
+
+    assert cli_main(["ckpt", "export", str(run_dir), str(tmp_path / "w.safetensors")]) == 0
+    exported, final = load_file(tmp_path / "w.safetensors"), torch.load(run_dir / "model.pt", weights_only=True)
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    # ... and resumes at world size 1: DCP reshards model and optimizer, the loader gets rank 0's position
+    from hpctrain.config import load_config
+    from hpctrain.train import train
+
+    preempted = run_dir / "checkpoints" / layout.step_name(saved[0])
+    summary = train(load_config(None, [*ARGS, dcp, f"resume={preempted}",
+                                       f"train.max_steps={saved[0] + 3}", f"run.dir={tmp_path / 'one-rank'}"]))
+    assert summary["steps"] == saved[0] + 3 and summary["world_size"] == 1
+
+
+def test_sigterm_to_torchrun_is_forwarded_saved_and_resumed_bit_identical(tmp_path: Path, reference: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(_hpctrain_run(run_dir, "checkpoint.mode=async"))
+    seen = _wait_for_step(run_dir, 40, proc)
+    os.kill(proc.pid, signal.SIGTERM)  # what Slurm / the batch script's trap sends to torchrun
+    code, out = _finish(proc)
+    assert code == EXIT_PREEMPTED, out[-4000:]
+    saved = [s for s, _ in layout.committed(run_dir / "checkpoints")]
+    assert len(saved) == 1 and seen <= saved[0] <= seen + 2, (seen, saved)
+    code, out = _run(_hpctrain_run(run_dir, "checkpoint.mode=async"))
+    assert code == 0, out[-4000:]
+    assert _params(run_dir) == reference
