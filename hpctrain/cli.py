@@ -138,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     from hpctrain.eval_job import WeightsError
     from hpctrain.rundir import RunDirError
 
+    from hpctrain.checkpoint.layout import CheckpointError
+    from hpctrain.checkpoint.tensorfile import TensorFileError
+
     try:
         return int(args.func(args) or 0)
     except (ConfigError, EnvError, DataMissingError, RunDirError, WeightsError) as err:
         print(f"hpctrain {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return 2  # the input is wrong: fix it, do not retry
+    except (CheckpointError, TensorFileError) as err:
+        print(f"hpctrain {args.command}: error: {err}", file=sys.stderr)
+        return 1  # the run failed: a crash, for a batch script

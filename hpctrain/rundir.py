@@ -39,6 +39,18 @@ def prepare_run_dir(path: Path, overwrite: bool, resume: str = "never") -> None:
     An unfinished run (checkpoints, no summary.json) is continued by ``resume=auto``; with
     ``resume=never`` it is only replaced under ``run.overwrite=true``. Replacing a run removes
     its checkpoints, so two runs never mix."""
+    if check_run_dir(path, overwrite, resume):
+        _remove_old_checkpoints(path / CHECKPOINTS)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(f"cannot create run.dir {path}: {err}") from err
+
+
+def check_run_dir(path: Path, overwrite: bool, resume: str = "never") -> bool:
+    """The read-only part of :func:`prepare_run_dir`, safe on every rank before the process
+    group exists (so all ranks fail alike instead of waiting for rank 0). Returns whether
+    old checkpoints are to be removed."""
     finished = (path / SUMMARY).exists()
     if finished and not overwrite:
         what = "nothing to resume" if resume != "never" else "it would be overwritten"
@@ -55,11 +67,8 @@ def prepare_run_dir(path: Path, overwrite: bool, resume: str = "never") -> None:
                 f"run.dir {path} holds checkpoints of an unfinished run; hint: resume=auto continues it, "
                 "run.overwrite=true starts over"
             )
-        _remove_old_checkpoints(checkpoints)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise RunDirError(f"cannot create run.dir {path}: {err}") from err
+        return True
+    return False
 
 
 def _remove_old_checkpoints(checkpoints: Path) -> None:

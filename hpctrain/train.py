@@ -22,7 +22,7 @@ from tqdm import tqdm
 from hpctrain import env as cluster
 from hpctrain.checkpoint import Checkpointer
 from hpctrain.checkpoint.preempt import SignalFlag, write_status
-from hpctrain.config import Config, check_world, to_yaml
+from hpctrain.config import Config, ConfigError, check_world, to_yaml
 from hpctrain.data import Batch, DataBundle, build_data
 from hpctrain.evaluate import EvalResult, evaluate
 from hpctrain.metrics import Metric, default_metrics
@@ -31,7 +31,16 @@ from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
 from hpctrain.parallel import parallelize, unwrap
 from hpctrain.parallel.ddp import no_sync
 from hpctrain.precision import Precision
-from hpctrain.rundir import MetricsLog, atomic_write_text, params_sha256, prepare_run_dir, resolve_run_dir, save_model, write_json
+from hpctrain.rundir import (
+    MetricsLog,
+    atomic_write_text,
+    check_run_dir,
+    params_sha256,
+    prepare_run_dir,
+    resolve_run_dir,
+    save_model,
+    write_json,
+)
 
 log = logging.getLogger("hpctrain")
 
@@ -256,18 +265,31 @@ def _validate(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts:
     res = evaluate(parts.model, parts.val_loader, parts.metrics, env, device, parts.precision)
     result.eval_seconds += res.seconds
     result.last_eval, result.last_eval_step = res, parts.counters.step
-    row = {"step": parts.counters.step, "epoch": parts.counters.epoch, "val_loss": res.metrics["loss"],
-           "val_accuracy": res.metrics["accuracy"], "val_count": res.metrics["count"],
+    scalars = {f"val_{k}": v for k, v in res.metrics.items() if isinstance(v, (int, float))}
+    row = {"step": parts.counters.step, "epoch": parts.counters.epoch, **scalars,
            "eval_samples_per_s": res.samples_per_s}
     if metrics_log is not None:
         metrics_log.write(row)
     if env.is_main:
         log.info("step %d  val_loss %.4f  val_accuracy %.4f  (%d samples)", row["step"], row["val_loss"],
                  row["val_accuracy"], row["val_count"])
-    if not result.best or row["val_accuracy"] > result.best["val_accuracy"]:
-        result.best = {"val_accuracy": row["val_accuracy"], "step": row["step"]}
+    if _improved(cfg, row, result.best):
+        result.best = {"metric": cfg.train.best_metric, "value": row[cfg.train.best_metric], "step": row["step"]}
         if ckpt is not None:
             ckpt.note_best(result.best)
+
+
+def _improved(cfg: Config, row: dict[str, Any], best: dict[str, Any]) -> bool:
+    """Is this validation the best so far by ``train.best_metric``?"""
+    name = cfg.train.best_metric
+    if name not in row:
+        choices = ", ".join(k for k in row if k.startswith("val_"))
+        raise ConfigError(f"train.best_metric={name!r} is not a validation metric; choose one of: {choices}")
+    if best.get("metric") != name:  # none yet, or one tracked by another metric before a resume
+        return True
+    lower_is_better = cfg.train.best_mode == "min" or (
+        cfg.train.best_mode == "auto" and name.endswith(("loss", "perplexity")))
+    return row[name] < best["value"] if lower_is_better else row[name] > best["value"]
 
 
 # ---------------------------------------------------------------- the job
@@ -278,8 +300,11 @@ def train(cfg: Config) -> dict[str, Any]:
     env = cluster.detect()
     check_world(cfg, env.world_size)
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
+    resume = cfg.resume if cfg.checkpoint.enabled else "never"
     if env.is_main:
-        prepare_run_dir(run_dir, cfg.run.overwrite, resume=cfg.resume if cfg.checkpoint.enabled else "never")
+        prepare_run_dir(run_dir, cfg.run.overwrite, resume)
+    else:
+        check_run_dir(run_dir, cfg.run.overwrite, resume)
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     try:
         return _train_in_group(cfg, env, device, run_dir)

@@ -133,3 +133,31 @@ def test_compile_is_opt_in_and_trains():
     parts = _run("train.compile=true", "train.max_steps=3")
     assert isinstance(parts.model, OptimizedModule) and parts.counters.step == 3
     assert isinstance(unwrap(parts.model), torch.nn.Sequential)
+
+
+def test_best_metric_direction_and_unknown_name():
+    from hpctrain.config import ConfigError
+    from hpctrain.train import _improved
+
+    row = {"step": 5, "val_loss": 0.3, "val_accuracy": 0.9}
+    acc = load_config(None, [])
+    assert _improved(acc, row, {}) and not _improved(acc, row, {"metric": "val_accuracy", "value": 0.95})
+    loss = load_config(None, ["train.best_metric=val_loss"])  # auto: lower is better for a loss
+    assert _improved(loss, row, {"metric": "val_loss", "value": 0.4})
+    assert not _improved(loss, row, {"metric": "val_loss", "value": 0.2})
+    assert _improved(loss, row, {"metric": "val_accuracy", "value": 0.1})  # another metric's record
+    with pytest.raises(ConfigError, match="val_accuracy"):
+        _improved(load_config(None, ["train.best_metric=val_f1"]), row, {})
+
+
+def test_best_is_tracked_in_training():
+    from hpctrain.train import LoopResult, _validate
+
+    cfg = load_config(None, ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny",
+                             "data.synthetic_size=256", "train.progress=false", "train.best_metric=val_loss"])
+    env = ClusterEnv()
+    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU))
+    result = LoopResult()
+    _validate(cfg, env, CPU, parts, None, result)
+    assert result.best["metric"] == "val_loss" and result.best["value"] == result.last_eval.metrics["loss"]
+    assert result.last_eval.metrics["count"] == 256 // 5
