@@ -103,3 +103,39 @@ def test_metric_units():
     assert math.isclose(loss.compute()["perplexity"], math.exp(loss.compute()["loss"]))
     assert cm.compute()["confusion_matrix"] == [[1, 0, 0], [1, 0, 0], [0, 1, 1]]
     assert cm.compute()["per_class_accuracy"][0] == 1.0
+
+
+# ---------------------------------------------------------------- through the sharded loader
+
+
+def _write_val_shards(root) -> None:
+    """The same 1001 samples as the in-memory tests, as raw npy in 11 shards (the last one short)."""
+    from hpctrain.data.shards import npy_bytes, write_shards
+
+    data = synthetic("val", SIZE, (128,), seed=1)
+    samples = ((f"v{i:05d}", {"npy": npy_bytes(data.inputs[i].numpy()), "cls": str(int(data.targets[i])).encode()})
+               for i in range(SIZE))
+    meta = {"source": "test", "classes": [str(c) for c in range(10)], "decode": {"input": "npy", "target": "cls"}}
+    write_shards(samples, root, "val", samples_per_shard=97, meta=meta)
+
+
+def _eval_shards(env: ClusterEnv, root) -> dict:
+    from hpctrain.data.loader import ShardedEvalLoader
+
+    torch.manual_seed(0)
+    model = tiny_mlp(10)
+    loader = ShardedEvalLoader(root, env, BATCH, split="val")
+    result = evaluate(model, loader, default_metrics(10), env, torch.device("cpu"), collect_predictions=True)
+    return {"metrics": result.metrics, "keys": [r["key"] for r in result.predictions]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_loader_gives_the_single_process_numbers(world, truth, tmp_path):
+    _write_val_shards(tmp_path)
+    results = run_ranks(world, _eval_shards, tmp_path)
+    got = results[0]
+    assert got["metrics"]["count"] == SIZE and got["metrics"]["correct"] == truth["correct"]
+    assert got["metrics"]["confusion_matrix"] == truth["confusion_matrix"]
+    assert math.isclose(got["metrics"]["loss"], truth["loss"], rel_tol=1e-6)
+    assert sorted(got["keys"]) == [f"v{i:05d}" for i in range(SIZE)]  # every sample once, with its key
+    assert all(r["metrics"] == got["metrics"] for r in results)
