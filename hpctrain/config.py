@@ -36,8 +36,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = opt("mnist", "Dataset: mnist | fashion_mnist | synthetic_cifar | synthetic_tiny.")
-    path: str | None = opt(None, "Data location for sources that read files (default: the installed package).")
+    name: str = opt("mnist", "Dataset: mnist | fashion_mnist | synthetic_cifar | synthetic_tiny | shards (tar shards from `hpctrain data shard`, at data.path).")
+    path: str | None = opt(None, "Data location for sources that read files (default: the installed package); for shards: the shard directory.")
     batch_size: int = opt(64, "Samples per rank per micro-step (global batch = batch_size x world_size x grad_accum).")
     eval_batch_size: int | None = opt(None, "Samples per rank per validation batch; default: 2 x batch_size.")
     num_workers: int = opt(0, "DataLoader worker processes per rank (0 = load in the training process).")
@@ -48,7 +48,11 @@ class DataConfig:
     max_val_samples: int | None = opt(None, "Use only the first N validation samples.")
     val_split: Literal["val", "test"] = opt("val", "Which held-out split validates: val (MNIST's 10k validation) or test.")
     synthetic_size: int = opt(20000, "Samples in a synthetic training set (synthetic_* datasets).")
-    drop_last: bool = opt(True, "Drop the last incomplete training batch so every step has the same global batch.")
+    drop_last: bool = opt(True, "Drop the last incomplete training batch so every step has the same global batch (shards: false pads the last step with masked samples instead).")
+    shuffle: Literal["global", "shard", "window", "none"] = opt("shard", "Shards: order within an epoch; global = one permutation of all samples, shard = shards and samples within each shard shuffled, window = shuffled windows of shuffle_window samples (near-sequential reads), none = file order.")
+    shuffle_window: int = opt(1000, "Shards: samples per window for shuffle=window.")
+    stage_dir: str | None = opt(None, "Shards: node-local directory to copy the shards to first (local rank 0 copies, verifies, others wait); default $SLURM_TMPDIR when set; off = read data.path directly.")
+    on_corrupt: Literal["stop", "skip"] = opt("stop", "Shards: a truncated or corrupt sample stops the run (naming shard and key), or is skipped, logged and counted.")
 
 
 @dataclass
@@ -60,6 +64,8 @@ class TrainConfig:
     log_every: int = opt(20, "Write a metrics.jsonl row every N optimizer steps.")
     eval_every_steps: int | None = opt(None, "Validate every N optimizer steps (besides each epoch end).")
     eval_each_epoch: bool = opt(True, "Validate at the end of every epoch.")
+    best_metric: str = opt("val_accuracy", "Validation metric whose best value is tracked (its checkpoint marked): val_accuracy, val_loss, val_top5_accuracy, ...")
+    best_mode: Literal["auto", "max", "min"] = opt("auto", "Is higher better? auto: min for *loss / *perplexity, else max.")
     compile: bool = opt(False, "Wrap the model in torch.compile (opt-in: compilation takes time).")
     deterministic: bool = opt(False, "Deterministic kernels (torch.use_deterministic_algorithms); slower.")
     progress: bool = opt(True, "Show a progress bar over steps on rank 0 (only when the console is a terminal or forced).")
@@ -101,6 +107,29 @@ class RunConfig:
     overwrite: bool = opt(False, "Allow writing into a run directory that already holds a finished run.")
 
 
+@dataclass
+class CheckpointConfig:
+    enabled: bool = opt(True, "Write checkpoints to RUN_DIR/checkpoints/ (committed: files, then manifest, then rename).")
+    every_steps: int | None = opt(None, "Save every N optimizer steps (None = no step schedule).")
+    every_seconds: str | None = opt("3600", "Save every T seconds of wall clock; `auto` = Young-Daly sqrt(2 x measured save cost x mtbf_hours); None = off.")
+    mtbf_hours: float = opt(2.0, "Mean time between failures of the whole job, for every_seconds=auto.")
+    at_end: bool = opt(True, "Save when training ends (so a finished run can be exported or extended).")
+    on_best: bool = opt(False, "Also save whenever the tracked validation metric improves (its checkpoint is named in checkpoints/best.json).")
+    mode: Literal["sync", "async"] = opt("sync", "sync: the loop waits for the write; async: a background thread copies the state (before the next optimizer.step) and writes it; one save in flight.")
+    format: Literal["torch", "dcp"] = opt("torch", "torch: rank 0 writes replicated state as one file; dcp: torch.distributed.checkpoint, every rank its shard (reshardable).")
+    local_dir: str | None = opt(None, "Two-tier: write to this node-local directory first, then copy to the run directory in the background.")
+    stagger_seconds: float = opt(0.0, "Two-tier: node k waits k x this before copying to the shared file system.")
+    keep_last: int = opt(3, "Keep the newest K committed checkpoints (>= 1).")
+    keep_every: int | None = opt(None, "Also keep every checkpoint whose step is a multiple of M.")
+    signals: list[str] = opt(["SIGUSR1", "SIGTERM"], "Signals that request save-and-exit (preemption): any of SIGUSR1, SIGUSR2, SIGTERM, SIGINT.")
+    signal_check_every: int = opt(1, "Steps between the all-reduce that agrees on a signal / wall-clock save (multi-rank only).")
+
+    def __post_init__(self) -> None:
+        from hpctrain.checkpoint.policy import validate_checkpoint_config
+
+        validate_checkpoint_config(self)
+
+
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
@@ -114,6 +143,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str = opt("auto", "auto: continue from the newest committed checkpoint of run.dir; never: start fresh; or a checkpoint PATH.")
 
 
 # ---------------------------------------------------------------- loading

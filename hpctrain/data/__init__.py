@@ -7,21 +7,30 @@ of loaders that follow the same small protocols:
   yielding :class:`Batch`, ``batches_done``, ``state_dict()`` / ``load_state_dict()``;
 * evaluation loader: ``len()``, iteration over this rank's share (no sample twice across
   ranks), ``template()`` (a one-sample batch for masked padding steps).
+
+``data.name=shards`` streams tar shards written by ``hpctrain data shard`` (see
+:mod:`hpctrain.data.shards`, :mod:`hpctrain.data.loader`, :mod:`hpctrain.data.stage`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from hpctrain.config import Config
+from hpctrain.config import Config, ConfigError
+from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
 from hpctrain.data.memory import EvalLoader, MemoryLoader
 from hpctrain.data.sources import ArrayDataset, Batch, DataMissingError, load_dataset
 from hpctrain.env import ClusterEnv
 
-__all__ = ["ArrayDataset", "Batch", "DataBundle", "DataMissingError", "EvalLoader", "MemoryLoader", "build_data"]
+log = logging.getLogger("hpctrain")
+
+__all__ = ["ArrayDataset", "Batch", "DataBundle", "DataMissingError", "EvalLoader", "MemoryLoader",
+           "ShardedEvalLoader", "ShardedLoader", "build_data", "build_val_loader"]
 
 
 @dataclass
@@ -36,6 +45,8 @@ class DataBundle:
 
 def build_data(cfg: Config, env: ClusterEnv, device: torch.device, *, with_val: bool = True) -> DataBundle:
     d = cfg.data
+    if d.name == "shards":
+        return _build_shard_data(cfg, env, device, with_val)
     train_set = load_dataset(d.name, "train", d.path, d.synthetic_size, cfg.seed).subset(d.max_train_samples)
     loader = MemoryLoader(train_set, env, d.batch_size, seed=cfg.seed, drop_last=d.drop_last,
                           num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
@@ -54,3 +65,60 @@ def load_val_set(cfg: Config) -> ArrayDataset:
 
 def eval_batch_size(cfg: Config) -> int:
     return cfg.data.eval_batch_size or 2 * cfg.data.batch_size
+
+
+# ---------------------------------------------------------------- tar shards (data.name=shards)
+
+
+def _shard_root(cfg: Config, env: ClusterEnv) -> Path:
+    """data.path, or its node-local copy when staging is on (data.stage_dir / $SLURM_TMPDIR)."""
+    from hpctrain.data.stage import resolve_stage_dir, stage_shards
+
+    if not cfg.data.path:
+        raise ConfigError("data.name=shards needs data.path=DIR (made by `hpctrain data shard SOURCE DIR`)")
+    splits = ["train", cfg.data.val_split]
+    return stage_shards(Path(cfg.data.path), resolve_stage_dir(cfg.data.stage_dir), env, splits)
+
+
+def _build_shard_data(cfg: Config, env: ClusterEnv, device: torch.device, with_val: bool) -> DataBundle:
+    d = cfg.data
+    root = _shard_root(cfg, env)
+    loader = ShardedLoader(root, env, d.batch_size, split="train", seed=cfg.seed, shuffle=d.shuffle,
+                           shuffle_window=d.shuffle_window, drop_last=d.drop_last, num_workers=d.num_workers,
+                           prefetch_factor=d.prefetch_factor, pin_memory=d.pin_memory and device.type == "cuda",
+                           persistent_workers=d.persistent_workers, on_corrupt=d.on_corrupt,
+                           max_samples=d.max_train_samples)
+    val = _shard_val_loader(cfg, env, root) if with_val else None
+    return DataBundle(loader, val, _num_classes(cfg, loader.index.classes, root), loader.dataset.sample_shape(),
+                      loader.num_samples, val.num_samples if val else 0)
+
+
+def _num_classes(cfg: Config, classes: list[str], root: Path) -> int:
+    if classes:
+        return len(classes)
+    if cfg.model.num_classes:
+        return cfg.model.num_classes
+    raise ConfigError(f"the manifest in {root} lists no classes; hint: set model.num_classes")
+
+
+def _shard_val_loader(cfg: Config, env: ClusterEnv, root: Path) -> ShardedEvalLoader | None:
+    from hpctrain.data.shards import manifest_path
+
+    if not manifest_path(root, cfg.data.val_split).is_file():
+        log.warning("no %s split in %s: training without validation (hint: hpctrain data shard SOURCE %s --split %s)",
+                    cfg.data.val_split, root, cfg.data.path, cfg.data.val_split)
+        return None
+    return ShardedEvalLoader(root, env, eval_batch_size(cfg), split=cfg.data.val_split, on_corrupt=cfg.data.on_corrupt,
+                             max_samples=cfg.data.max_val_samples)
+
+
+def build_val_loader(cfg: Config, env: ClusterEnv) -> tuple[Any, int, tuple[int, ...]]:
+    """(evaluation loader, num_classes, input shape) for any data.name; for ``hpctrain eval``."""
+    if cfg.data.name == "shards":
+        loader = _shard_val_loader(cfg, env, _shard_root(cfg, env))
+        if loader is None:
+            raise ConfigError(f"data.path={cfg.data.path} has no {cfg.data.val_split} split to evaluate")
+        root = loader.index.root
+        return loader, _num_classes(cfg, loader.index.classes, root), loader.dataset.sample_shape()
+    dataset = load_val_set(cfg)
+    return EvalLoader(dataset, env, eval_batch_size(cfg)), dataset.num_classes, dataset.input_shape

@@ -1,0 +1,292 @@
+"""Data pipeline benchmark (issue 3): one file per sample vs tar shards, hpctrain vs webdataset.
+
+    python benchmarks/data.py --samples 20000 --json bench-data.json --plot docs/data-bench.png
+
+Reads the same 32x32 RGB images, as float batches of 64, from
+  * ``folder``     one PNG file per sample (class subfolders), DataLoader over a file Dataset;
+  * ``shards-png`` hpctrain shards holding the same PNG bytes, read by ShardedLoader;
+  * ``shards-npy`` hpctrain shards holding raw uint8 .npy arrays, read by ShardedLoader;
+  * ``wds-png``    the same PNG shards read by ``webdataset.WebDataset`` (its own tar reader);
+with the page cache cold and warm, and with 0/1/2/4 DataLoader workers. Cold means
+every file was evicted with ``posix_fadvise(DONTNEED)`` first (``/proc/sys/vm/drop_caches``
+when writable); the kernel's dentry/inode caches stay warm either way, so the folder's
+metadata cost is, if anything, understated. Optionally (``--train-steps N``) it also trains
+the default MNIST job from shards and reports the trainer's data-wait share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hpctrain.data.loader import ShardedLoader  # noqa: E402
+from hpctrain.data.shards import npy_bytes, write_shards  # noqa: E402
+from hpctrain.env import ClusterEnv  # noqa: E402
+
+BATCH = 64
+
+
+# ---------------------------------------------------------------- data sets
+
+
+def images(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """CIFAR-like uint8 images: smooth class patterns plus noise (PNG compresses them ~like photos)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, n)
+    yy, xx = np.mgrid[0:32, 0:32]
+    base = np.stack([np.sin((xx * (c + 1) + yy * (3 - c % 3)) / 6.0) for c in range(10)])
+    out = np.empty((n, 32, 32, 3), np.uint8)
+    for i in range(n):
+        pattern = base[labels[i]][..., None] * np.array([60, 40, 80]) + 128
+        out[i] = np.clip(pattern + rng.normal(0, 20, (32, 32, 3)), 0, 255).astype(np.uint8)
+    return out, labels
+
+
+def png(img: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def build(root: Path, n: int, per_shard: int) -> dict[str, Path]:
+    x, y = images(n)
+    encoded = [png(img) for img in x]
+    folder = root / "folder"
+    for c in range(10):
+        (folder / str(c)).mkdir(parents=True, exist_ok=True)
+    for i, data in enumerate(encoded):
+        (folder / str(y[i]) / f"{i:06d}.png").write_bytes(data)
+    meta = {"source": "bench", "classes": [str(c) for c in range(10)],
+            "decode": {"input": "png", "target": "cls", "scale": 255.0, "mean": None, "std": None}}
+    write_shards(((f"s{i:06d}", {"cls": str(y[i]).encode(), "png": encoded[i]}) for i in range(n)),
+                 root / "shards-png", "train", samples_per_shard=per_shard, meta=meta)
+    meta_npy = {**meta, "decode": {**meta["decode"], "input": "npy", "layout": "hwc"}}  # same tensors as PNG
+    write_shards(((f"s{i:06d}", {"cls": str(y[i]).encode(), "npy": npy_bytes(x[i])}) for i in range(n)),
+                 root / "shards-npy", "train", samples_per_shard=per_shard, meta=meta_npy)
+    return {"folder": folder, "shards-png": root / "shards-png", "shards-npy": root / "shards-npy"}
+
+
+# ---------------------------------------------------------------- readers
+
+
+class FolderDataset(Dataset):
+    """The usual one-file-per-sample ImageFolder path: open, read, decode per sample."""
+
+    def __init__(self, root: Path) -> None:
+        self.files = sorted((int(p.parent.name), p) for p in root.glob("*/*.png"))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        label, path = self.files[i]
+        with Image.open(path) as img:
+            arr = np.array(img.convert("RGB"))
+        return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0), label
+
+
+def folder_batches(root: Path, workers: int) -> Iterable:
+    kwargs = {"prefetch_factor": 4} if workers else {}
+    return DataLoader(FolderDataset(root), batch_size=BATCH, shuffle=True, num_workers=workers, **kwargs)
+
+
+def shard_batches(root: Path, workers: int) -> Iterable:
+    return ShardedLoader(root, ClusterEnv(), BATCH, drop_last=False, num_workers=workers,
+                         prefetch_factor=4, persistent_workers=False)
+
+
+def _wds_to_tensor(sample: tuple) -> tuple:
+    x, y = sample  # webdataset's default collation stacks numpy arrays
+    return torch.as_tensor(x).permute(0, 3, 1, 2).float().div_(255.0), torch.as_tensor(y)
+
+
+def wds_batches(root: Path, workers: int) -> Iterable:
+    import webdataset as wds
+
+    urls = [str(p) for p in sorted(root.glob("train-*.tar"))]
+    ds = (wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000).decode("rgb8")
+          .to_tuple("png", "cls").batched(BATCH).map(_wds_to_tensor))
+    kwargs = {"prefetch_factor": 4} if workers else {}
+    return DataLoader(ds, batch_size=None, num_workers=workers, **kwargs)
+
+
+READERS: dict[str, tuple[str, Callable[[Path, int], Iterable]]] = {
+    "folder": ("folder", folder_batches),
+    "shards-png": ("shards-png", shard_batches),
+    "shards-npy": ("shards-npy", shard_batches),
+    "wds-png": ("shards-png", wds_batches),
+}
+
+
+# ---------------------------------------------------------------- cache control and timing
+
+
+def drop_cache(root: Path) -> str:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            os.sync()
+            fh.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "posix_fadvise"
+
+
+def warm_cache(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            path.read_bytes()
+
+
+def measure(batches: Iterable) -> tuple[float, int]:
+    start, count = time.perf_counter(), 0
+    for batch in batches:
+        if isinstance(batch, (tuple, list)):
+            count += len(batch[1])
+        else:  # padding slots of the last step do not count
+            count += len(batch) if batch.mask is None else int(batch.mask.sum())
+    return count / (time.perf_counter() - start), count
+
+
+def run_matrix(paths: dict[str, Path], workers: list[int], repeats: int) -> tuple[list[dict], str]:
+    rows, how = [], ""
+    for name, (data, reader) in READERS.items():
+        root = paths[data]
+        for cache in ("cold", "warm"):
+            for w in workers:
+                best = 0.0
+                for _ in range(repeats):
+                    if cache == "cold":
+                        how = drop_cache(root)
+                    else:
+                        warm_cache(root)
+                    rate, count = measure(reader(root, w))
+                    best = max(best, rate)
+                rows.append({"reader": name, "cache": cache, "workers": w, "samples_per_s": best, "samples": count})
+                print(f"{name:<11} {cache:<5} workers={w}  {best:8.0f} samples/s", flush=True)
+    return rows, how
+
+
+# ---------------------------------------------------------------- the training step's data wait
+
+
+def train_wait(root: Path, steps: int, workers: list[int]) -> list[dict]:
+    """``hpctrain train`` on MNIST shards (default job, max_steps) -> data_wait_share per worker count."""
+    shards = root / "mnist"
+    if not (shards / "train.manifest.json").is_file():
+        for split in ("train", "val"):
+            subprocess.run([sys.executable, "-m", "hpctrain", "data", "shard", "mnist", str(shards), "--split", split,
+                            "--quiet"], check=True)
+    out = []
+    # the in-memory MNIST loader is the floor: what the step costs when data is free
+    for data, w in [("mnist", 0)] + [("shards", w) for w in workers]:
+        run_dir = root / f"run-{data}-w{w}"
+        cmd = [sys.executable, "-m", "hpctrain", "train", f"data.name={data}", f"data.num_workers={w}",
+               f"train.max_steps={steps}", "train.progress=false", "data.max_val_samples=2000",
+               "checkpoint.enabled=false", f"run.dir={run_dir}", "run.overwrite=true"]
+        cmd += [f"data.path={shards}"] if data == "shards" else []
+        subprocess.run(cmd, check=True, capture_output=True)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        out.append({"data": data, "workers": w, "data_wait_share": summary["data_wait_share"],
+                    "samples_per_s": summary["samples_per_s"]})
+        print(f"train mnist_cnn, data={data}, workers={w}: data_wait_share {summary['data_wait_share']:.3f}, "
+              f"{summary['samples_per_s']:.0f} samples/s", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def ratios(rows: list[dict]) -> dict[str, float]:
+    def best(reader: str, cache: str) -> float:
+        return max(r["samples_per_s"] for r in rows if r["reader"] == reader and r["cache"] == cache)
+    shard_best = {c: max(best("shards-png", c), best("shards-npy", c)) for c in ("cold", "warm")}
+    return {"shards_vs_files_cold": shard_best["cold"] / best("folder", "cold"),
+            "shards_vs_files_warm": shard_best["warm"] / best("folder", "warm"),
+            "vs_webdataset": max(best("shards-png", c) / best("wds-png", c) for c in ("cold", "warm")),
+            "vs_webdataset_cold_png": best("shards-png", "cold") / best("wds-png", "cold"),
+            "vs_webdataset_warm_png": best("shards-png", "warm") / best("wds-png", "warm"),
+            "png_shards_vs_files_cold": best("shards-png", "cold") / best("folder", "cold")}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, cache in zip(axes, ("cold", "warm")):
+        for reader in READERS:
+            pts = sorted((r["workers"], r["samples_per_s"]) for r in rows
+                         if r["reader"] == reader and r["cache"] == cache)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=reader)
+        ax.set_title(f"page cache {cache}")
+        ax.set_xlabel("DataLoader workers")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("samples / s (32x32 RGB, batch 64)")
+    axes[0].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=20000)
+    parser.add_argument("--per-shard", type=int, default=1000, help="samples per shard")
+    parser.add_argument("--workers", default="0,1,2,4")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per point (the best counts)")
+    parser.add_argument("--dir", help="work directory (default: a temporary one, removed at the end)")
+    parser.add_argument("--json", help="write the ratios (and all rows) here")
+    parser.add_argument("--plot", default="docs/data-bench.png")
+    parser.add_argument("--train-steps", type=int, default=0, help="also train MNIST from shards this many steps")
+    parser.add_argument("--train-workers", default="0,2")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    workers = [int(w) for w in args.workers.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.dir or tmp)
+        t0 = time.perf_counter()
+        paths = build(root, args.samples, args.per_shard)
+        print(f"built {args.samples} samples in {time.perf_counter() - t0:.1f} s under {root}", flush=True)
+        rows, how = run_matrix(paths, workers, args.repeats)
+        train_workers = [int(w) for w in args.train_workers.split(",")]
+        waits = train_wait(root, args.train_steps, train_workers) if args.train_steps else []
+    result = {**ratios(rows), "cold_method": how, "cpus": os.cpu_count(), "samples": args.samples, "rows": rows,
+              "train": waits}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows",)}, indent=1))
+    if args.plot:
+        plot(rows, Path(args.plot))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

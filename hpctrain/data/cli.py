@@ -1,0 +1,126 @@
+"""``hpctrain data shard|verify|inspect|index``: pack a dataset into tar shards and check them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hpctrain.data.shards import (
+    CorruptSampleError,
+    ShardError,
+    index_existing,
+    open_source,
+    parse_size,
+    summarize,
+    verify,
+    write_shards,
+)
+
+
+def cmd_shard(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    source = open_source(args.source, args.split)
+    max_bytes = parse_size(args.shard_size) if args.shard_size else None
+    with tqdm(total=source.size, unit="sample", desc=f"{args.split} shards", dynamic_ncols=True,
+              disable=args.quiet, file=sys.stderr) as bar:
+        manifest = write_shards(source.samples, args.out_dir, args.split, samples_per_shard=args.samples_per_shard,
+                                max_bytes=max_bytes, meta=source.meta, progress=bar.update)
+    total = sum(s["bytes"] for s in manifest["shards"])
+    print(f"wrote {manifest['total_samples']} samples in {len(manifest['shards'])} shards "
+          f"({total / 1e6:.1f} MB) to {args.out_dir} (split {args.split})")
+    return 0
+
+
+def _splits(root: Path, split: str | None) -> list[str]:
+    if split:
+        return [split]
+    found = sorted(p.name[: -len(".manifest.json")] for p in root.glob("*.manifest.json"))
+    if not found:
+        raise ShardError(f"{root} holds no *.manifest.json; hint: hpctrain data shard SOURCE {root}")
+    return found
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root = Path(args.out_dir)
+    bad = 0
+    for split in _splits(root, args.split):
+        problems = verify(root, split, deep=not args.quick)
+        for p in problems:
+            print(f"FAIL {split}: {p}", file=sys.stderr)
+        bad += len(problems)
+        if not problems:
+            print(f"ok   {split}: every shard matches the manifest and its index")
+    return 1 if bad else 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    rows = summarize(args.out_dir)
+    if not rows:
+        raise ShardError(f"{args.out_dir} holds no *.manifest.json; hint: hpctrain data shard SOURCE {args.out_dir}")
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r in rows:
+        lo, hi = r["samples_per_shard"]
+        classes = r["classes"]
+        shown = ", ".join(classes[:12]) + (" ..." if len(classes) > 12 else "")
+        print(f"split {r['split']}: {r['samples']} samples in {r['shards']} shards, {r['bytes'] / 1e6:.1f} MB "
+              f"({lo}-{hi} samples per shard); fields {r['fields']}; source {r['source']}")
+        print(f"  {len(classes)} classes: {shown}")
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    manifest = index_existing(args.dir, args.split, args.pattern)
+    print(f"indexed {manifest['total_samples']} samples in {len(manifest['shards'])} shards; "
+          f"wrote {args.split}.manifest.json in {args.dir}")
+    return 0
+
+
+def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ShardError, CorruptSampleError, FileNotFoundError) as err:
+            print(f"hpctrain data {args.data_command}: error: {err}", file=sys.stderr)
+            return 2
+    return run
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``hpctrain data ...`` on the main parser's subcommands."""
+    parser = subparsers.add_parser("data", help="pack data into tar shards (WebDataset layout), verify, inspect")
+    sub = parser.add_subparsers(dest="data_command", required=True)
+
+    p = sub.add_parser("shard", help="write SOURCE as OUT_DIR/<split>-NNNNNN.tar + index + manifest")
+    p.add_argument("source",
+                   help="mnist | fashion_mnist | imagefolder:PATH | npz:PATH | jsonl:PATH | synthetic_cifar:N")
+    p.add_argument("out_dir")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--samples-per-shard", type=int, help="samples per shard")
+    size.add_argument("--shard-size", help="bytes per shard, e.g. 256MB (default when neither is given)")
+    p.add_argument("--split", default="train", choices=["train", "val", "test"])
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_guarded(cmd_shard))
+
+    p = sub.add_parser("verify", help="check every shard against the manifest and its index (exit 1 on a mismatch)")
+    p.add_argument("out_dir")
+    p.add_argument("--split", help="one split (default: every manifest in OUT_DIR)")
+    p.add_argument("--quick", action="store_true", help="sizes only (no sha256, no per-sample check)")
+    p.set_defaults(func=_guarded(cmd_verify))
+
+    p = sub.add_parser("inspect", help="print counts, classes and sizes per split")
+    p.add_argument("out_dir")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_guarded(cmd_inspect))
+
+    p = sub.add_parser("index", help="index tars written by another tool (e.g. webdataset.ShardWriter)")
+    p.add_argument("dir")
+    p.add_argument("--split", default="train")
+    p.add_argument("--pattern", help="glob of the tars (default: <split>-*.tar)")
+    p.set_defaults(func=_guarded(cmd_index))
+    return parser
