@@ -4,8 +4,8 @@ The parts (drop them into your own loop) and the reference trainer built from th
 """
 
 from hpctrain.config import Config, ConfigError, load_config
-from hpctrain.env import ClusterEnv, detect, init_distributed, teardown
 from hpctrain.data.memory import EvalLoader
+from hpctrain.env import ClusterEnv, detect, init_distributed, teardown
 from hpctrain.evaluate import evaluate
 from hpctrain.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric
 from hpctrain.parallel import parallelize, unwrap

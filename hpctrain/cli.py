@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictions", action="store_true", help="also write predictions.jsonl (keys, predictions)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("run", help="start N local ranks through torchrun: hpctrain run -n 2 [train|eval] [CONFIG] [k=v]")
+    p = sub.add_parser("run", help="N local ranks via torchrun: hpctrain run -n 2 [train|eval] [CONFIG] [k=v]")
     p.add_argument("-n", "--nproc", type=int, required=True, help="processes (ranks) on this node")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun elastic restarts after a failure")
     p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for elastic jobs")
@@ -133,13 +133,12 @@ def _setup_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging()
+    from hpctrain.checkpoint.layout import CheckpointError
+    from hpctrain.checkpoint.tensorfile import TensorFileError
     from hpctrain.data.sources import DataMissingError
     from hpctrain.env import EnvError
     from hpctrain.eval_job import WeightsError
     from hpctrain.rundir import RunDirError
-
-    from hpctrain.checkpoint.layout import CheckpointError
-    from hpctrain.checkpoint.tensorfile import TensorFileError
 
     try:
         return int(args.func(args) or 0)

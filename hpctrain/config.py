@@ -175,11 +175,32 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+class _RawText(str):
+    """An override's text, read as YAML only once the field's type is known: a string field
+    keeps it verbatim (YAML would turn `off` into false and `1e-3` into a string)."""
+
+
 def _split_override(item: str) -> tuple[str, Any]:
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not key=value (example: optim.lr=0.05)")
-    return key.strip(), yaml.safe_load(text) if text.strip() else None
+    return key.strip(), _RawText(text)
+
+
+def _interpret(text: _RawText, hint: Any) -> Any:
+    parsed = yaml.safe_load(text) if text.strip() else None
+    if parsed is None or isinstance(parsed, (list, dict)):
+        return parsed
+    return str(text) if _accepts_text(hint, str(text)) else parsed
+
+
+def _accepts_text(hint: Any, text: str) -> bool:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_accepts_text(a, text) for a in args)
+    if origin is Literal:
+        return text in args
+    return hint is str
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -215,6 +236,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
+    if isinstance(value, _RawText):
+        value = _interpret(value, hint)
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
@@ -250,6 +273,8 @@ def _coerce_scalar(value: Any, hint: type, key: str) -> Any:
         except (TypeError, ValueError):
             raise wrong from None
     if hint is str:
+        if isinstance(value, bool):  # YAML 1.1 reads off/no/yes as booleans
+            raise ConfigError(f"{key}={value!r} must be text; hint: quote it in YAML, e.g. {key.split('.')[-1]}: 'off'")
         if isinstance(value, (dict, list)) or value is None:
             raise wrong
         return str(value)

@@ -56,7 +56,8 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
     text = env.get(name)
     if text is None:
         if default is None:
-            raise EnvError(f"{name} is not set but the launcher variables around it are; hint: launch with torchrun or srun")
+            raise EnvError(f"{name} is not set but the launcher variables around it are; "
+                           "hint: launch with torchrun or srun")
         return default
     try:
         return int(text)
@@ -203,6 +204,13 @@ def init_distributed(env: ClusterEnv, backend: str = "auto", timeout_s: float = 
 
 def _bracket(addr: str) -> str:
     return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+
+
+def collective_device() -> torch.device:
+    """Where tensors for a collective must live: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def teardown() -> None:

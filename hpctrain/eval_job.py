@@ -10,7 +10,7 @@ import torch
 
 from hpctrain import env as cluster
 from hpctrain.config import Config
-from hpctrain.data import EvalLoader, eval_batch_size, load_val_set
+from hpctrain.data import build_val_loader
 from hpctrain.evaluate import evaluate, write_predictions
 from hpctrain.metrics import default_metrics
 from hpctrain.models import build_model
@@ -40,11 +40,10 @@ def run_eval(cfg: Config, weights: Path, out_dir: Path | None = None, prediction
     env = cluster.detect()
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     try:
-        dataset = load_val_set(cfg)
-        num_classes = cfg.model.num_classes or dataset.num_classes
-        model = build_model(cfg.model.name, num_classes, dataset.input_shape[0])
+        loader, data_classes, input_shape = build_val_loader(cfg, env)
+        num_classes = cfg.model.num_classes or data_classes
+        model = build_model(cfg.model.name, num_classes, input_shape[0])
         load_weights(model, weights)
-        loader = EvalLoader(dataset, env, eval_batch_size(cfg))
         result = evaluate(model.to(device), loader, default_metrics(num_classes), env, device,
                           Precision(cfg.precision, device), collect_predictions=predictions)
         report = {**result.metrics, "samples_per_s": result.samples_per_s, "world_size": env.world_size,

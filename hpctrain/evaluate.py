@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hpctrain.data.sources import Batch
-from hpctrain.env import ClusterEnv
+from hpctrain.env import ClusterEnv, collective_device
 from hpctrain.metrics import EvalOutput, Metric
 from hpctrain.precision import Precision
 
@@ -119,8 +119,8 @@ def _select(keys: torch.Tensor | list[str], keep: torch.Tensor) -> torch.Tensor 
 def _prediction_rows(out: EvalOutput) -> list[dict[str, Any]]:
     keys = out.keys.tolist() if isinstance(out.keys, torch.Tensor) else list(out.keys)
     preds = out.logits.argmax(-1).tolist()
-    return [{"key": k, "prediction": p, "target": t, "loss": l}
-            for k, p, t, l in zip(keys, preds, out.targets.tolist(), out.losses.tolist())]
+    return [{"key": k, "prediction": p, "target": t, "loss": loss}
+            for k, p, t, loss in zip(keys, preds, out.targets.tolist(), out.losses.tolist())]
 
 
 def _merge(metrics: Sequence[Metric], env: ClusterEnv) -> dict[str, Any]:
@@ -135,7 +135,7 @@ def _merge(metrics: Sequence[Metric], env: ClusterEnv) -> dict[str, Any]:
 
 def _all_gather_states(states: dict[str, torch.Tensor], env: ClusterEnv) -> list[dict[str, torch.Tensor]]:
     per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(env.world_size)]
-    backend_device = _collective_device()
+    backend_device = collective_device()
     for name, tensor in states.items():
         local = tensor.to(backend_device)
         parts = [torch.empty_like(local) for _ in range(env.world_size)]
@@ -143,12 +143,6 @@ def _all_gather_states(states: dict[str, torch.Tensor], env: ClusterEnv) -> list
         for rank, part in enumerate(parts):
             per_rank[rank][name] = part.cpu()
     return per_rank
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def gather_predictions(rows: list[dict[str, Any]], env: ClusterEnv) -> list[dict[str, Any]]:

@@ -184,7 +184,7 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
         counters.samples_seen += meter.global_batch
         bar.update(1)
         if counters.step % cfg.train.log_every == 0:
-            _log_row(metrics_log, meter, counters, optimizer, losses)
+            _log_row(metrics_log, meter, counters, optimizer, losses, loader)
             losses = []
         if cfg.train.eval_every_steps and counters.step % cfg.train.eval_every_steps == 0:
             _validate(cfg, env, device, parts, metrics_log, result, ckpt)
@@ -246,7 +246,7 @@ class _Meter:
 
 
 def _log_row(metrics_log: MetricsLog | None, meter: _Meter, counters: Counters,
-             optimizer: torch.optim.Optimizer, losses: list[torch.Tensor]) -> None:
+             optimizer: torch.optim.Optimizer, losses: list[torch.Tensor], loader: Any) -> None:
     steps = counters.step - meter.last_step
     rate, wait_share = meter.interval(counters.step)
     if metrics_log is None:
@@ -255,6 +255,7 @@ def _log_row(metrics_log: MetricsLog | None, meter: _Meter, counters: Counters,
         "step": counters.step, "epoch": counters.epoch,
         "loss": float(torch.stack(losses).sum()) / max(steps, 1),  # rank 0's loss: a progress signal only
         "lr": optimizer.param_groups[0]["lr"], "samples_per_s": rate, "data_wait_share": wait_share,
+        "skipped_samples": getattr(loader, "skipped", 0),  # this rank's count; the summary has the total
     })
 
 
@@ -344,7 +345,8 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
         save_model(unwrap(parts.model), run_dir / "model.pt")
         write_json(run_dir / "summary.json", summary)
         write_status(run_dir, "finished", step=parts.counters.step)
-        log.info("done: %s", ", ".join(f"{k}={summary[k]}" for k in ("steps", "val_accuracy", "val_count", "samples_per_s")))
+        shown = ("steps", "val_accuracy", "val_count", "samples_per_s", "skipped_samples")
+        log.info("done: %s", ", ".join(f"{k}={summary[k]}" for k in shown))
     return summary
 
 
@@ -365,6 +367,15 @@ def _run_loop(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts:
         ckpt.close()
         result.best = ckpt.best_record(result.best)
     return result
+
+
+def skipped_samples(parts: Components, env: cluster.ClusterEnv) -> int:
+    """Corrupt samples skipped under data.on_corrupt=skip, summed over ranks (never silent)."""
+    local = torch.tensor([getattr(parts.train_loader, "skipped", 0)], dtype=torch.int64)
+    if env.distributed:
+        local = local.to(cluster.collective_device())
+        torch.distributed.all_reduce(local)
+    return int(local.item())
 
 
 def _preempted(env: cluster.ClusterEnv, run_dir: Path, parts: Components, ckpt: Checkpointer | None) -> dict[str, Any]:
@@ -390,5 +401,6 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
         "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
         "data_wait_share": result.data_wait_seconds / result.train_seconds if result.train_seconds else 0.0,
         "best": result.best, "params_sha256": params_sha256(unwrap(parts.model)),
+        "skipped_samples": skipped_samples(parts, env),
         "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name, "outcome": "finished",
     }

@@ -78,3 +78,12 @@ def test_round_trip_through_yaml(tmp_path):
 def test_docs_config_reference_is_current():
     assert (ROOT / "docs" / "config.md").read_text() == reference_markdown(), \
         "regenerate: hpctrain config doc > docs/config.md"
+
+
+def test_text_fields_keep_override_text_verbatim(tmp_path):
+    cfg = load_config(None, ["data.stage_dir=off", "run.dir=123", "data.path=null", "resume=never"])
+    assert cfg.data.stage_dir == "off" and cfg.run.dir == "123" and cfg.data.path is None
+    file = tmp_path / "job.yaml"
+    file.write_text("data:\n  stage_dir: off\n")
+    with pytest.raises(ConfigError, match="quote it"):
+        load_config(file)

@@ -323,3 +323,28 @@ def test_two_torchrun_ranks_with_workers_and_staging(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["val_count"] == 70 and summary["world_size"] == 2
     assert "staged" in proc.stderr
+
+
+def test_skipped_samples_reach_the_summary_and_eval_reads_shards(tmp_path):
+    import itertools
+
+    from hpctrain.config import load_config
+    from hpctrain.data.shards import mnist_source, write_shards
+    from hpctrain.eval_job import run_eval
+    from hpctrain.train import train
+    from tests.test_data_shards import flip_byte
+
+    root = tmp_path / "shards"
+    for split, n in (("train", 128), ("val", 50)):
+        src = mnist_source(split)
+        write_shards(itertools.islice(src.samples, n), root, split, samples_per_shard=64, meta=src.meta)
+    index = json.loads((root / "train-000000.idx.json").read_text())
+    flip_byte(root / "train-000000.tar", index["start"][3] + index["offsets"][3][2] + 40)  # a data byte
+    overrides = [f"data.path={root}", "data.name=shards", "data.batch_size=16", "data.on_corrupt=skip",
+                 "data.stage_dir=off", f"run.dir={tmp_path / 'run'}", "train.progress=false", "train.log_every=2"]
+    summary = train(load_config(None, overrides))
+    assert summary["skipped_samples"] == 1  # counted, never silent
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-2]["skipped_samples"] == 1 or any(r.get("skipped_samples") == 1 for r in rows)
+    report = run_eval(load_config(None, overrides), tmp_path / "run" / "model.pt", tmp_path / "eval")
+    assert report["count"] == 50 and report["correct"] == summary["val_correct"]

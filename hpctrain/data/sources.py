@@ -158,7 +158,8 @@ def _find(root: Path, stem: str) -> Path:
     for name in (stem + ".gz", stem):
         if (root / name).is_file():
             return root / name
-    raise DataMissingError(f"Fashion-MNIST file {root / stem}[.gz] not found; run: {FASHION_INSTALL_HINT}, or set data.path")
+    raise DataMissingError(f"Fashion-MNIST file {root / stem}[.gz] not found; "
+                           f"run: {FASHION_INSTALL_HINT}, or set data.path")
 
 
 # ---------------------------------------------------------------- synthetic
@@ -193,4 +194,5 @@ def load_dataset(name: str, split: str, path: str | None = None, synthetic_size:
         return synthetic(split, size, (128,), seed=seed)
     from hpctrain.config import ConfigError
 
-    raise ConfigError(f"data.name={name!r} is unknown; choose one of: mnist, fashion_mnist, synthetic_cifar, synthetic_tiny")
+    raise ConfigError(f"data.name={name!r} is unknown; choose one of: mnist, fashion_mnist, "
+                      "synthetic_cifar, synthetic_tiny, shards (with data.path)")
