@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain.rundir import atomic_write_bytes
+
 FORMAT = "hpctrain-shards"
 VERSION = 1
 BLOCK = 512
@@ -206,15 +208,6 @@ class ShardWriter:
                     "total_samples": self.count, **self.meta, "shards": self.done}
         atomic_write_bytes(manifest_path(self.root, self.split), json.dumps(manifest, indent=1).encode())
         return manifest
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def write_shards(samples: Iterable[tuple[str, dict[str, bytes]]], root: str | Path, split: str, *,
