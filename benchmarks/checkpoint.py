@@ -35,6 +35,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagecache import evict  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+
 from hpctrain.checkpoint import layout  # noqa: E402
 from hpctrain.checkpoint.checkpointer import Checkpointer, live_tensors, load_replicated  # noqa: E402
 from hpctrain.checkpoint.state import snapshot  # noqa: E402
@@ -67,17 +69,6 @@ def build_parts(gb: float) -> Components:
 
 def state_bytes(parts: Components) -> int:
     return sum(p.numel() * p.element_size() for p in parts.model.parameters())
-
-
-def evict(path: Path) -> None:
-    """Drop a directory's files from the page cache, so a read comes from the disk."""
-    for file in [path] if path.is_file() else path.rglob("*"):
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def dd_write(path: Path, nbytes: int) -> float:

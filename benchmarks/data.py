@@ -33,6 +33,8 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagecache import evict  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+
 from hpctrain.data.loader import ShardedLoader  # noqa: E402
 from hpctrain.data.shards import npy_bytes, write_shards  # noqa: E402
 from hpctrain.env import ClusterEnv  # noqa: E402
@@ -147,13 +149,7 @@ def drop_cache(root: Path) -> str:
         return "drop_caches"
     except OSError:
         pass
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    evict(root)
     return "posix_fadvise"
 
 

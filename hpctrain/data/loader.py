@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from hpctrain.data.memory import rank_slice  # one split rule for every evaluation loader
 from hpctrain.data.shards import IMAGE_EXTS, CorruptSampleError, ShardError, load_index, load_manifest
 from hpctrain.data.sources import Batch, pass_batch
 from hpctrain.env import ClusterEnv
@@ -105,11 +106,6 @@ def rank_plan(order: np.ndarray, position: int, batch_size: int, env: ClusterEnv
     """This rank's batches as global sample ids (PAD for padding)."""
     batches = rank_batches(len(order), position, batch_size, env.world_size, env.rank, drop_last)
     return [[int(order[p]) if p != PAD else PAD for p in b] for b in batches]
-
-
-def rank_slice(n: int, env: ClusterEnv) -> range:
-    """Evaluation: this rank's contiguous share of n samples (shares differ by at most one)."""
-    return range(env.rank * n // env.world_size, (env.rank + 1) * n // env.world_size)
 
 
 # ---------------------------------------------------------------- reading and decoding
