@@ -10,6 +10,7 @@ from pathlib import Path
 from hpctrain.checkpoint import cli as ckpt_cli
 from hpctrain.config import ConfigError, load_config, reference_markdown, to_yaml
 from hpctrain.data.cli import add_parser as add_data_parser
+from hpctrain.errors import HpctrainError
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -133,18 +134,8 @@ def _setup_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging()
-    from hpctrain.checkpoint.layout import CheckpointError
-    from hpctrain.checkpoint.tensorfile import TensorFileError
-    from hpctrain.data.sources import DataMissingError
-    from hpctrain.env import EnvError
-    from hpctrain.eval_job import WeightsError
-    from hpctrain.rundir import RunDirError
-
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, EnvError, DataMissingError, RunDirError, WeightsError) as err:
+    except HpctrainError as err:  # every deliberate error: a message and its exit code
         print(f"hpctrain {args.command}: error: {err}", file=sys.stderr)
-        return 2  # the input is wrong: fix it, do not retry
-    except (CheckpointError, TensorFileError) as err:
-        print(f"hpctrain {args.command}: error: {err}", file=sys.stderr)
-        return 1  # the run failed: a crash, for a batch script
+        return err.exit_code

@@ -16,8 +16,10 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from hpctrain.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A configuration value or key is wrong; the message says which and how to fix it."""
 
 

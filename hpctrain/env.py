@@ -13,10 +13,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from hpctrain.errors import UserError
+
 Source = Literal["single", "torchrun", "slurm"]
 
 
-class EnvError(RuntimeError):
+class EnvError(UserError):
     """The launcher's variables contradict each other; the message names them."""
 
 

@@ -11,6 +11,7 @@ import torch
 from hpctrain import env as cluster
 from hpctrain.config import Config
 from hpctrain.data import build_val_loader
+from hpctrain.errors import UserError
 from hpctrain.evaluate import evaluate, write_predictions
 from hpctrain.metrics import default_metrics
 from hpctrain.models import build_model
@@ -20,7 +21,7 @@ from hpctrain.rundir import write_json
 log = logging.getLogger("hpctrain")
 
 
-class WeightsError(RuntimeError):
+class WeightsError(UserError):
     """The weights file is missing or does not fit the model."""
 
 

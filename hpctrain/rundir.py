@@ -16,11 +16,13 @@ from typing import IO, Any
 import torch
 from torch import nn
 
+from hpctrain.errors import UserError
+
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
 
 
-class RunDirError(RuntimeError):
+class RunDirError(UserError):
     """The run directory cannot be used; the message says why and what to do."""
 
 

@@ -26,6 +26,7 @@ import torch
 
 from hpctrain.checkpoint import tensorfile
 from hpctrain.checkpoint.tensorfile import DIGEST, TreeHash
+from hpctrain.errors import RunError
 
 log = logging.getLogger("hpctrain")
 
@@ -37,7 +38,7 @@ CHECKSUM_DOC = f"{DIGEST}: sha256 of the concatenated sha256 digests of the file
 _NAME = re.compile(r"^step-(\d{9,})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunError):
     """A checkpoint cannot be written or read; the message names the file and a hint."""
 
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.env import ClusterEnv
+from hpctrain.errors import EXIT_PREEMPTED
 
-EXIT_PREEMPTED = 3
 STATUS = "status.json"
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from hpctrain.errors import RunError
+
 ALIGN = 4096
 CHUNK = 16 << 20
 _DTYPES = {
@@ -85,7 +87,7 @@ class TreeHash:
             future.result()
 
 
-class TensorFileError(RuntimeError):
+class TensorFileError(RunError):
     """The tensor file cannot be written or read; the message names the file."""
 
 

