@@ -1,20 +1,29 @@
-"""Checkpoint benchmark (issue 4): save / load bandwidth against dd, async stall, resume time.
+"""Checkpoint benchmark: hpctrain against dd, torch.save and torch.distributed.checkpoint,
+in the same run, on the same state, interleaved round by round.
 
-    python benchmarks/checkpoint.py [--gb 1.0] [--dir /tmp/hpctrain-bench] [--json out.json]
+    python benchmarks/checkpoint.py [--gb 1.0] [--repeats 3] [--dir /tmp/hpctrain-bench-ckpt] [--json out.json]
 
-* save: the sync writer (torch.save with sha256 while writing, fsync, manifest, rename)
-  against ``dd if=/dev/zero bs=16M oflag=direct conv=fsync`` of the same byte count;
-* load: verify (sha256 of every file) + load into the live, pre-touched model, from a cold
-  page cache (posix_fadvise DONTNEED), against ``dd iflag=direct`` reading the same bytes;
-* async stall: in a loop of (compute standing in for forward + backward, real SGD step),
-  the time ``save()`` blocks plus the time the next ``optimizer.step()`` waits for the
-  writer thread's copy of parameters and optimizer state, against the sync save time;
-  also the extra wall time per save of that loop (informational: it includes the CPU
-  and memory bandwidth the background write takes from the loop on this 2-core VM);
-* resume: Checkpointer.resume of the newest checkpoint, cold cache.
+Writes (each durable: fsync before the clock stops):
 
-Buffers are pre-touched and the first save of each mode is a warm-up: this VM first-touches
-fresh memory at 1-3 GB/s, which would measure the VM, not the code.
+* ``dd if=/dev/zero bs=16M oflag=direct conv=fsync`` of the same byte count (the disk);
+* ``torch.save(model.state_dict())`` to a file, then fsync;
+* ``torch.distributed.checkpoint.save`` (one process, ``FileSystemWriter(sync_files=True)``);
+* hpctrain's sync writer (O_DIRECT tensor bytes checksummed in parallel, skeleton and
+  per-rank files, fsync, manifest, rename, directory fsync).
+
+Reads, each from a cold page cache (posix_fadvise DONTNEED), into the live, pre-touched model:
+
+* ``dd iflag=direct`` of hpctrain's tensor file (the disk);
+* ``torch.load`` + ``load_state_dict`` (torch.load allocates fresh tensors);
+* ``torch.distributed.checkpoint.load`` (in place into the live state dict);
+* hpctrain verify+load in one pass (what resume does: every byte read once, straight into
+  the live parameters, hashed by helper threads while the next bytes are read, checked
+  against the manifest before the state is used);
+* for reference, the earlier two-pass way: verify (hash every file) then load.
+
+Also the async stall (time ``save()`` blocks plus the time the next ``optimizer.step()``
+waits for the writer thread's copy, against a sync save) and ``Checkpointer.resume``
+end to end. Buffers are pre-touched: this VM first-touches fresh memory at 1-3 GB/s.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from pagecache import evict  # noqa: E402 - benchmarks/ is on sys.path when run 
 
 from hpctrain.checkpoint import layout  # noqa: E402
 from hpctrain.checkpoint.checkpointer import Checkpointer, live_tensors, load_replicated  # noqa: E402
-from hpctrain.checkpoint.state import snapshot  # noqa: E402
+from hpctrain.checkpoint.state import REPLICATED_TENSORS, snapshot  # noqa: E402
 from hpctrain.checkpoint.writer import CheckpointWriter  # noqa: E402
 from hpctrain.config import load_config, to_dict  # noqa: E402
 from hpctrain.env import ClusterEnv  # noqa: E402
@@ -72,18 +81,20 @@ def state_bytes(parts: Components) -> int:
 
 
 def dd_write(path: Path, nbytes: int) -> float:
-    count = max(1, nbytes // (16 << 20))
+    """Seconds for dd to write ``nbytes`` (rounded up to 16 MiB blocks) with O_DIRECT and fsync."""
+    count = -(-nbytes // (16 << 20))
     start = time.perf_counter()
     subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "oflag=direct", "conv=fsync"],
                    check=True, capture_output=True)
-    return count * (16 << 20) / (time.perf_counter() - start)
+    return (time.perf_counter() - start) * nbytes / (count * (16 << 20))
 
 
 def dd_read(path: Path) -> float:
+    """Seconds for dd to read ``path`` with O_DIRECT, from a cold page cache."""
     evict(path)
     start = time.perf_counter()
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True, capture_output=True)
-    return path.stat().st_size / (time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
 def timed_saves(writer: CheckpointWriter, parts: Components, steps: list[int]) -> list[float]:
@@ -96,12 +107,106 @@ def timed_saves(writer: CheckpointWriter, parts: Components, steps: list[int]) -
     return times
 
 
-def bench_save(root: Path, parts: Components, repeats: int) -> tuple[float, list[float]]:
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def torch_save(model: nn.Module, path: Path) -> None:
+    with open(path, "wb") as fh:
+        torch.save(model.state_dict(), fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def torch_load(model: nn.Module, path: Path) -> None:
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def dcp_save(model: nn.Module, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    shutil.rmtree(path, ignore_errors=True)
+    writer = dcp.FileSystemWriter(str(path), sync_files=True)
+    dcp.save({"model": model.state_dict()}, storage_writer=writer, no_dist=True)
+
+
+def dcp_load(model: nn.Module, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}  # DCP loads in place: into the live parameters
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+
+
+def one_pass_load(parts: Components, ckpt: Path) -> None:
+    """What resume does: every file read once and checked against the manifest while read."""
+    files = layout.read_manifest(ckpt)["files"]
+    state = load_replicated(ckpt, live_tensors(parts), files)
+    parts.model.load_state_dict(state["model"])
+
+
+def two_pass_load(parts: Components, ckpt: Path) -> None:
+    """The earlier resume: hash every file, then read them again into the model."""
+    assert layout.verify(ckpt) == []
+    state = load_replicated(ckpt, live_tensors(parts))
+    parts.model.load_state_dict(state["model"])
+
+
+def bench_io(scratch: Path, parts: Components, repeats: int) -> dict[str, list[float]]:
+    """Seconds per method, one sample per round; the methods alternate within each round so
+    drift in a busy machine's load hits them alike."""
+    model, nbytes = parts.model, state_bytes(parts)
+    root = scratch / "run" / "checkpoints"
     writer = CheckpointWriter(root, ClusterEnv(), keep_last=1)
-    timed_saves(writer, parts, [1])  # warm-up
-    times = timed_saves(writer, parts, list(range(2, 2 + repeats)))
+    times: dict[str, list[float]] = {}
+
+    def add(name: str, seconds: float) -> None:
+        times.setdefault(name, []).append(seconds)
+
+    timed_saves(writer, parts, [1])  # warm-up: page-aligned buffers, hash threads
+    for r in range(repeats):
+        add("dd_write", dd_write(scratch / "dd.bin", nbytes))
+        add("torch_save", timed(lambda: torch_save(model, scratch / "torch.pt")))
+        add("dcp_save", timed(lambda: dcp_save(model, scratch / "dcp")))
+        add("hpctrain_save", timed_saves(writer, parts, [2 + r])[0])
+        ckpt = layout.committed(root)[-1][1]
+        tensors = ckpt / REPLICATED_TENSORS
+        add("dd_read", dd_read(tensors))
+        for name, path, fn in (
+            ("torch_load", scratch / "torch.pt", lambda: torch_load(model, scratch / "torch.pt")),
+            ("dcp_load", scratch / "dcp", lambda: dcp_load(model, scratch / "dcp")),
+            ("hpctrain_load", ckpt, lambda c=ckpt: one_pass_load(parts, c)),
+            ("two_pass_load", ckpt, lambda c=ckpt: two_pass_load(parts, c)),
+        ):
+            evict(path)
+            add(name, timed(fn))
+        add("file_bytes", float(tensors.stat().st_size))
     writer.close()
-    return statistics.median(times), times
+    return times
+
+
+def bench_resume(root: Path, parts: Components, repeats: int) -> float:
+    """Median of Checkpointer.resume("auto") end to end (pick, read + check, restore), cold cache."""
+    cfg = load_config(None, ["checkpoint.every_seconds=None"])
+    times = []
+    for _ in range(repeats):
+        evict(root)
+        ckpt = Checkpointer(cfg, ClusterEnv(), CPU, root.parent, parts)
+        start = time.perf_counter()
+        assert ckpt.resume("auto")
+        times.append(time.perf_counter() - start)
+        ckpt.close()
+        ckpt.signals.uninstall()
+    return statistics.median(times)
 
 
 def bench_async(root: Path, parts: Components, repeats: int, step_s: float) -> tuple[float, float, float]:
@@ -165,31 +270,6 @@ def _time_step(fn: Any) -> float:
     return (time.perf_counter() - start) / 10
 
 
-def bench_load(root: Path, parts: Components, repeats: int) -> tuple[float, float, float]:
-    """Medians of (verify, load, full Checkpointer.resume) in seconds, each from a cold cache.
-    Load = what resume does after verifying: the bytes straight into the live parameters."""
-    newest = layout.committed(root)[-1][1]
-    verify, load, resume = [], [], []
-    cfg = load_config(None, ["checkpoint.every_seconds=None"])
-    for _ in range(repeats):
-        evict(newest)
-        start = time.perf_counter()
-        assert layout.verify(newest) == []
-        verify.append(time.perf_counter() - start)
-        start = time.perf_counter()  # page cache now warm, as in resume after its verify
-        state = load_replicated(newest, live_tensors(parts))
-        parts.model.load_state_dict(state["model"])
-        load.append(time.perf_counter() - start)
-        del state
-        evict(newest)
-        ckpt = Checkpointer(cfg, ClusterEnv(), CPU, root.parent, parts)
-        start = time.perf_counter()
-        assert ckpt.resume("auto")
-        resume.append(time.perf_counter() - start)
-        ckpt.close()
-    return statistics.median(verify), statistics.median(load), statistics.median(resume)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=1.0, help="state size in GB")
@@ -199,7 +279,7 @@ def main() -> int:
                     help="compute per loop step standing in for forward + backward in the async test")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="torch threads (the trainer's default for one rank: all cores)")
-    ap.add_argument("--json", help="write {save_vs_dd, load_vs_dd, async_stall_ratio, ...} here")
+    ap.add_argument("--json", help="write {hpctrain_save_vs_dd, hpctrain_load_vs_dd, torch_save_vs_dd, ...} here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     scratch = Path(args.dir)
@@ -219,26 +299,30 @@ def main() -> int:
 def run(scratch: Path, gb: float, repeats: int, step_s: float) -> dict[str, Any]:
     parts = build_parts(gb)
     nbytes = state_bytes(parts)
-    dd_file = scratch / "dd.bin"
-    dd_w = statistics.median(dd_write(dd_file, nbytes) for _ in range(repeats))
-    dd_r = statistics.median(dd_read(dd_file) for _ in range(repeats))
-    dd_file.unlink()
-    root = scratch / "run" / "checkpoints"
-    sync_s, _ = bench_save(root, parts, repeats)
-    verify_s, load_s, resume_s = bench_load(root, parts, repeats)
+    t = bench_io(scratch, parts, repeats)
+    med = {name: statistics.median(values) for name, values in t.items()}
+    dd_w, dd_r = nbytes / med["dd_write"], med["file_bytes"] / med["dd_read"]  # dd_* hold seconds per byte count
+    resume_s = bench_resume(scratch / "run" / "checkpoints", parts, repeats)
     save_call_s, hook_wait_s, loop_extra_s = bench_async(scratch / "async" / "checkpoints", parts, repeats, step_s)
     stall_s = save_call_s + hook_wait_s
-    save_bw, load_bw = nbytes / sync_s, nbytes / (verify_s + load_s)
-    return {
-        "state_bytes": nbytes, "dd_write_GBps": dd_w / 1e9, "dd_read_GBps": dd_r / 1e9,
-        "save_GBps": save_bw / 1e9, "save_vs_dd": save_bw / dd_w, "sync_save_s": sync_s,
-        "verify_s": verify_s, "load_s": load_s, "load_GBps": load_bw / 1e9, "load_vs_dd": load_bw / dd_r,
+    out: dict[str, Any] = {"state_bytes": nbytes, "repeats": repeats, "load_avg_1m": os.getloadavg()[0],
+                           "dd_write_GBps": dd_w / 1e9, "dd_read_GBps": dd_r / 1e9}
+    for name in ("torch_save", "dcp_save", "hpctrain_save"):
+        out[f"{name}_s"] = med[name]
+        out[f"{name}_vs_dd"] = nbytes / med[name] / dd_w
+    for name in ("torch_load", "dcp_load", "hpctrain_load", "two_pass_load"):
+        out[f"{name}_s"] = med[name]
+        out[f"{name}_vs_dd"] = nbytes / med[name] / dd_r
+    # Per round, so a noisy round compares with its own dd: the median of the ratios.
+    out["hpctrain_load_vs_dd_per_round"] = [round(d / h, 3) for d, h in zip(t["dd_read"], t["hpctrain_load"])]
+    out.update({
         "resume_s": resume_s, "async_save_call_s": save_call_s, "async_hook_wait_s": hook_wait_s,
-        "async_stall_s": stall_s, "async_stall_ratio": stall_s / sync_s,
+        "async_stall_s": stall_s, "async_stall_ratio": stall_s / med["hpctrain_save"],
         # Informational: on a shared 2-core VM the background copy, write and hash also
         # slow the loop's compute (CPU and memory bandwidth), which no stall measure shows.
-        "async_loop_extra_s_per_save": loop_extra_s, "async_loop_ratio": loop_extra_s / sync_s,
-    }
+        "async_loop_extra_s_per_save": loop_extra_s, "async_loop_ratio": loop_extra_s / med["hpctrain_save"],
+    })
+    return out
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
-"""Data pipeline benchmark (issue 3): one file per sample vs tar shards, hpctrain vs webdataset.
+"""Data pipeline benchmark (issues 3 and 8): one file per sample vs tar shards, hpctrain vs
+webdataset, litdata and Mosaic streaming.
 
-    python benchmarks/data.py --samples 20000 --json bench-data.json --plot docs/data-bench.png
+    python benchmarks/data.py --samples 20000 --workers 0,1,2 --json bench-data.json --plot docs/data-bench.png
 
 Reads the same 32x32 RGB images, as float batches of 64, from
-  * ``folder``     one PNG file per sample (class subfolders), DataLoader over a file Dataset;
-  * ``shards-png`` hpctrain shards holding the same PNG bytes, read by ShardedLoader;
-  * ``shards-npy`` hpctrain shards holding raw uint8 .npy arrays, read by ShardedLoader;
-  * ``wds-png``    the same PNG shards read by ``webdataset.WebDataset`` (its own tar reader);
-with the page cache cold and warm, and with 0/1/2/4 DataLoader workers. Cold means
+  * ``folder``         one PNG file per sample (class subfolders), DataLoader over a file Dataset;
+  * ``shards-png``     hpctrain shards holding the same PNG bytes, read by ShardedLoader (its
+                       default decoder: libspng via ``pyspng`` when installed, else PIL);
+  * ``shards-png-pil`` the same, decoding with PIL like every other PNG reader here;
+  * ``shards-npy``     hpctrain shards holding raw uint8 .npy arrays, read by ShardedLoader;
+  * ``wds-png``        the same PNG shards read by ``webdataset.WebDataset`` (its own tar reader);
+  * ``litdata-png``    ``litdata.optimize`` chunks holding the same PNG bytes, ``litdata.StreamingDataset``
+                       + ``StreamingDataLoader``, PIL decode;
+  * ``mds-png``        Mosaic ``streaming.MDSWriter`` shards holding the same PNG bytes (a ``bytes``
+                       column), ``streaming.StreamingDataset`` (local, shuffled), PIL decode;
+with the page cache cold and warm, and with 0/1/2 DataLoader workers. Cold means
 every file was evicted with ``posix_fadvise(DONTNEED)`` first (``/proc/sys/vm/drop_caches``
 when writable); the kernel's dentry/inode caches stay warm either way, so the folder's
 metadata cost is, if anything, understated. Optionally (``--train-steps N``) it also trains
@@ -19,13 +26,16 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagecache import evict  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
+import hpctrain.data.loader as shard_loader  # noqa: E402
 from hpctrain.data.loader import ShardedLoader  # noqa: E402
 from hpctrain.data.shards import npy_bytes, write_shards  # noqa: E402
 from hpctrain.env import ClusterEnv  # noqa: E402
@@ -81,7 +92,48 @@ def build(root: Path, n: int, per_shard: int) -> dict[str, Path]:
     meta_npy = {**meta, "decode": {**meta["decode"], "input": "npy", "layout": "hwc"}}  # same tensors as PNG
     write_shards(((f"s{i:06d}", {"cls": str(y[i]).encode(), "npy": npy_bytes(x[i])}) for i in range(n)),
                  root / "shards-npy", "train", samples_per_shard=per_shard, meta=meta_npy)
-    return {"folder": folder, "shards-png": root / "shards-png", "shards-npy": root / "shards-npy"}
+    paths = {"folder": folder, "shards-png": root / "shards-png", "shards-npy": root / "shards-npy"}
+    per_shard_bytes = per_shard * int(np.mean([len(e) for e in encoded[:1000]]))  # shards of the same size
+    paths["litdata-png"] = build_litdata(root / "litdata-png", encoded, y, per_shard_bytes)
+    paths["mds-png"] = build_mds(root / "mds-png", encoded, y, per_shard_bytes)
+    return paths
+
+
+def _lit_item(item: tuple[bytes, int]) -> dict:
+    return {"png": item[0], "cls": item[1]}
+
+
+def build_litdata(out: Path, encoded: list[bytes], y: np.ndarray, chunk_bytes: int) -> Path:
+    from litdata import StreamingDataset as LitDataset
+    from litdata import optimize
+
+    optimize(fn=_lit_item, inputs=[(data, int(label)) for data, label in zip(encoded, y)], output_dir=str(out),
+             chunk_bytes=chunk_bytes, num_workers=1, mode="overwrite")
+    # optimize() forces the "spawn" start method process-wide; every reader here (as the
+    # DataLoader's Linux default) forks its workers
+    multiprocessing.set_start_method("fork", force=True)
+    assert bytes(LitDataset(str(out))[0]["png"]) == encoded[0], "litdata does not give back the stored bytes"
+    return out
+
+
+def build_mds(out: Path, encoded: list[bytes], y: np.ndarray, size_limit: int) -> Path:
+    mds = _streaming()
+    shutil.rmtree(out, ignore_errors=True)  # MDSWriter refuses a non-empty directory
+    with mds.MDSWriter(out=str(out), columns={"png": "bytes", "cls": "int"}, size_limit=size_limit) as sink:
+        for data, label in zip(encoded, y):
+            sink.write({"png": data, "cls": int(label)})
+    return out
+
+
+def _streaming() -> Any:
+    """``import streaming`` without its vision datasets: their torchvision has no build for this
+    CPU-only torch here, and MDS reading needs none of it."""
+    import types
+
+    sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
+    import streaming
+
+    return streaming
 
 
 # ---------------------------------------------------------------- readers
@@ -111,8 +163,53 @@ def folder_batches(root: Path, workers: int) -> Iterable:
 
 
 def shard_batches(root: Path, workers: int) -> Iterable:
+    shard_loader._SPNG = None  # the default: libspng when importable (workers fork with this setting)
     return ShardedLoader(root, ClusterEnv(), BATCH, drop_last=False, num_workers=workers,
                          prefetch_factor=4, persistent_workers=False)
+
+
+def shard_batches_pil(root: Path, workers: int) -> Iterable:
+    shard_loader._SPNG = False  # PIL only, like the folder, webdataset, litdata and streaming rows
+    return ShardedLoader(root, ClusterEnv(), BATCH, drop_last=False, num_workers=workers,
+                         prefetch_factor=4, persistent_workers=False)
+
+
+def _pil_rgb(data: Any) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"))
+
+
+def litdata_batches(root: Path, workers: int) -> Iterable:
+    from litdata import StreamingDataLoader
+    from litdata import StreamingDataset as LitDataset
+
+    class Decoded(LitDataset):
+        def __getitem__(self, index: Any) -> tuple[torch.Tensor, int]:
+            sample = super().__getitem__(index)
+            return (torch.from_numpy(_pil_rgb(sample["png"])).permute(2, 0, 1).float().div_(255.0),
+                    int(sample["cls"]))
+
+    kwargs = {"prefetch_factor": 4} if workers else {}
+    return StreamingDataLoader(Decoded(str(root), shuffle=True), batch_size=BATCH, num_workers=workers, **kwargs)
+
+
+def mds_batches(root: Path, workers: int) -> Iterable:
+    mds = _streaming()
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()  # a new StreamingDataset per run in one process
+
+    class Decoded(mds.StreamingDataset):
+        def __getitem__(self, index: Any) -> tuple[torch.Tensor, int]:
+            sample = super().__getitem__(index)
+            return (torch.from_numpy(_pil_rgb(sample["png"])).permute(2, 0, 1).float().div_(255.0),
+                    int(sample["cls"]))
+
+    kwargs = {"prefetch_factor": 4} if workers else {}
+    return DataLoader(Decoded(local=str(root), shuffle=True, batch_size=BATCH), batch_size=BATCH,
+                      num_workers=workers, **kwargs)
 
 
 def _wds_to_tensor(sample: tuple) -> tuple:
@@ -133,9 +230,13 @@ def wds_batches(root: Path, workers: int) -> Iterable:
 READERS: dict[str, tuple[str, Callable[[Path, int], Iterable]]] = {
     "folder": ("folder", folder_batches),
     "shards-png": ("shards-png", shard_batches),
+    "shards-png-pil": ("shards-png", shard_batches_pil),
     "shards-npy": ("shards-npy", shard_batches),
     "wds-png": ("shards-png", wds_batches),
+    "litdata-png": ("litdata-png", litdata_batches),
+    "mds-png": ("mds-png", mds_batches),
 }
+OTHERS = ("wds-png", "litdata-png", "mds-png")
 
 
 # ---------------------------------------------------------------- cache control and timing
@@ -162,16 +263,20 @@ def warm_cache(root: Path) -> None:
 def measure(batches: Iterable) -> tuple[float, int]:
     start, count = time.perf_counter(), 0
     for batch in batches:
-        if isinstance(batch, (tuple, list)):
+        if isinstance(batch, dict):
+            count += len(batch["cls"])
+        elif isinstance(batch, (tuple, list)):
             count += len(batch[1])
         else:  # padding slots of the last step do not count
             count += len(batch) if batch.mask is None else int(batch.mask.sum())
     return count / (time.perf_counter() - start), count
 
 
-def run_matrix(paths: dict[str, Path], workers: list[int], repeats: int) -> tuple[list[dict], str]:
+def run_matrix(paths: dict[str, Path], workers: list[int], repeats: int,
+               readers: list[str]) -> tuple[list[dict], str]:
     rows, how = [], ""
-    for name, (data, reader) in READERS.items():
+    for name in readers:
+        data, reader = READERS[name]
         root = paths[data]
         for cache in ("cold", "warm"):
             for w in workers:
@@ -219,15 +324,19 @@ def train_wait(root: Path, steps: int, workers: list[int]) -> list[dict]:
 
 
 def ratios(rows: list[dict]) -> dict[str, float]:
+    """Each reader at its best worker count; the headline is PNG shards vs the PNG folder (same bytes)."""
     def best(reader: str, cache: str) -> float:
         return max(r["samples_per_s"] for r in rows if r["reader"] == reader and r["cache"] == cache)
-    shard_best = {c: max(best("shards-png", c), best("shards-npy", c)) for c in ("cold", "warm")}
-    return {"shards_vs_files_cold": shard_best["cold"] / best("folder", "cold"),
-            "shards_vs_files_warm": shard_best["warm"] / best("folder", "warm"),
-            "vs_webdataset": max(best("shards-png", c) / best("wds-png", c) for c in ("cold", "warm")),
-            "vs_webdataset_cold_png": best("shards-png", "cold") / best("wds-png", "cold"),
-            "vs_webdataset_warm_png": best("shards-png", "warm") / best("wds-png", "warm"),
-            "png_shards_vs_files_cold": best("shards-png", "cold") / best("folder", "cold")}
+    out = {}
+    for c in ("cold", "warm"):
+        others = max(best(r, c) for r in OTHERS)
+        out |= {f"png_shards_vs_png_folder_{c}": best("shards-png", c) / best("folder", c),
+                f"png_shards_pil_vs_png_folder_{c}": best("shards-png-pil", c) / best("folder", c),
+                f"npy_shards_vs_png_folder_{c}": best("shards-npy", c) / best("folder", c),
+                f"vs_best_other_{c}": best("shards-png", c) / others,
+                f"pil_vs_best_other_{c}": best("shards-png-pil", c) / others}
+        out |= {f"vs_{r}_{c}": best("shards-png", c) / best(r, c) for r in OTHERS}
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -256,11 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=20000)
     parser.add_argument("--per-shard", type=int, default=1000, help="samples per shard")
-    parser.add_argument("--workers", default="0,1,2,4")
+    parser.add_argument("--workers", default="0,1,2")
     parser.add_argument("--repeats", type=int, default=1, help="runs per point (the best counts)")
     parser.add_argument("--dir", help="work directory (default: a temporary one, removed at the end)")
     parser.add_argument("--json", help="write the ratios (and all rows) here")
     parser.add_argument("--plot", default="docs/data-bench.png")
+    parser.add_argument("--readers", default=",".join(READERS), help="comma-separated subset of the readers")
     parser.add_argument("--train-steps", type=int, default=0, help="also train MNIST from shards this many steps")
     parser.add_argument("--train-workers", default="0,2")
     args = parser.parse_args(argv)
@@ -271,11 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         paths = build(root, args.samples, args.per_shard)
         print(f"built {args.samples} samples in {time.perf_counter() - t0:.1f} s under {root}", flush=True)
-        rows, how = run_matrix(paths, workers, args.repeats)
+        rows, how = run_matrix(paths, workers, args.repeats, args.readers.split(","))
         train_workers = [int(w) for w in args.train_workers.split(",")]
         waits = train_wait(root, args.train_steps, train_workers) if args.train_steps else []
-    result = {**ratios(rows), "cold_method": how, "cpus": os.cpu_count(), "samples": args.samples, "rows": rows,
-              "train": waits}
+    complete = {r["reader"] for r in rows} == set(READERS)
+    result = {**(ratios(rows) if complete else {}), "cold_method": how, "cpus": os.cpu_count(),
+              "samples": args.samples, "rows": rows, "train": waits}
     print(json.dumps({k: v for k, v in result.items() if k not in ("rows",)}, indent=1))
     if args.plot:
         plot(rows, Path(args.plot))

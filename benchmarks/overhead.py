@@ -8,6 +8,8 @@ CIFAR-shaped synthetic data, whether the final weights are bitwise equal, and th
 per-step overhead in microseconds for a tiny model where the loop itself dominates.
 
     python benchmarks/overhead.py --json bench-out/overhead.json
+
+(from the repository root, with hpctrain installed or ``PYTHONPATH=.``; nothing from tests/.)
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from hpctrain.parallel import unwrap
 from hpctrain.train import build_components, fit, seed_everything
 
 CPU = torch.device("cpu")
+
+
+def tiny_linear(num_classes: int = 10) -> torch.nn.Module:
+    """One Linear 128 -> classes: a model so small that the loop itself dominates a step.
+    Given to the trainer as ``model.name=<this module>:tiny_linear`` (no import of tests/)."""
+    return torch.nn.Linear(128, num_classes)
 
 
 def make_config(model: str, data: str, batch: int, steps: int, size: int) -> Config:
@@ -106,7 +114,7 @@ def main() -> None:
 
     cnn = make_config("simple_cnn", "synthetic_cifar", 128, args.cnn_steps, 128 * args.cnn_steps)
     cnn_raw, cnn_hp, cnn_equal = compare(cnn, args.repeats)
-    tiny = make_config("tests.models:tiny_linear", "synthetic_tiny", 32, args.tiny_steps, 32 * args.tiny_steps)
+    tiny = make_config(f"{__name__}:tiny_linear", "synthetic_tiny", 32, args.tiny_steps, 32 * args.tiny_steps)
     tiny_raw, tiny_hp, tiny_equal = compare(tiny, args.repeats)
 
     ratio = statistics.median(h / r for h, r in zip(cnn_hp, cnn_raw))

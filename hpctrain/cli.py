@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 from hpctrain.checkpoint import cli as ckpt_cli
 from hpctrain.config import ConfigError, load_config, reference_markdown, to_yaml
 from hpctrain.data.cli import add_parser as add_data_parser
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import EXIT_RUN_FAILED, HpctrainError
+from hpctrain.estimate import cli as estimate_cli
+from hpctrain.launch import cli as launch_cli
+from hpctrain.telemetry import report as report_cli
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -40,29 +44,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from hpctrain.launch.local import launch
-
-    rest = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
-    if not rest or rest[0] not in ("train", "eval"):
-        rest = ["train", *rest]
-    import time
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from hpctrain.checkpoint.preempt import launcher_exit_code
-
-    cfg = _config(build_parser().parse_args(rest))  # fail here, once, not in N ranks
-    started = time.time()
-    try:
-        code = launch(args.nproc, rest, max_restarts=args.max_restarts, nnodes=args.nnodes,
-                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
-    except SignalException as err:  # torchrun got SIGTERM and forwarded it to the ranks
-        print(f"hpctrain run: stopped by {err.sigval.name}", file=sys.stderr)
-        code = 128 + int(err.sigval)
-    return launcher_exit_code(cfg, code, started) if rest[0] == "train" else code
-
-
 def cmd_config(args: argparse.Namespace) -> int:
     if args.action == "doc":
         sys.stdout.write(reference_markdown())
@@ -78,7 +59,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     for name, spec in REGISTRY.items():
         params = count_parameters(build_model(name))
         print(f"{name:<12} {params:>12,}  {'x'.join(map(str, spec.input_shape)):<12} {spec.description}")
-    print("\nany other model: model.name=package.module:factory (called as factory(num_classes=N))")
+    print("\nany other model: model.name=package.module:NAME, a factory or an nn.Module class; it gets "
+          "num_classes and in_channels if its signature takes them, and may return logits or log_softmax")
     return 0
 
 
@@ -97,14 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictions", action="store_true", help="also write predictions.jsonl (keys, predictions)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("run", help="N local ranks via torchrun: hpctrain run -n 2 [train|eval] [CONFIG] [k=v]")
-    p.add_argument("-n", "--nproc", type=int, required=True, help="processes (ranks) on this node")
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun elastic restarts after a failure")
-    p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for elastic jobs")
-    p.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous (multi-node)")
-    p.add_argument("--rdzv-id", help="job id shared by all nodes of the rendezvous")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="[train|eval] [CONFIG] [key=value ...] [--weights PATH]")
-    p.set_defaults(func=cmd_run)
+    launch_cli.add_parser(sub)  # run, slurm (status, cancel), doctor
 
     p = sub.add_parser("config", help="show the resolved config, or the config reference")
     p.add_argument("action", choices=["show", "doc"])
@@ -117,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_cli.add_parser(sub)
 
     add_data_parser(sub)
+    estimate_cli.add_parser(sub)
+    report_cli.add_parser(sub)
     return parser
 
 
@@ -132,10 +109,24 @@ def _setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 ok, 1 failed run, 2 bad input, 3 preempted (requeue), 130 interrupted.
+
+    Every deliberate error is an :class:`HpctrainError`: one line naming the culprit, no
+    traceback. Anything else is a bug (in hpctrain, or in user code it called): a first line
+    that says so, then the traceback, because that is what a bug report needs."""
     args = build_parser().parse_args(argv)
-    _setup_logging()
     try:
+        _setup_logging()  # inside: a malformed launcher variable is an input error too
         return int(args.func(args) or 0)
     except HpctrainError as err:  # every deliberate error: a message and its exit code
         print(f"hpctrain {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code
+    except KeyboardInterrupt:
+        print(f"hpctrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - a bug: say so first, then show where
+        print(f"hpctrain {args.command}: internal error: {type(err).__name__}: {err}\n"
+              "This is a bug in hpctrain (or in user code it called), not a problem with the input; "
+              "please report it with the traceback below.", file=sys.stderr)
+        traceback.print_exc()
+        return EXIT_RUN_FAILED

@@ -193,15 +193,27 @@ def init_distributed(env: ClusterEnv, backend: str = "auto", timeout_s: float = 
         torch.cuda.set_device(device)
     if not env.distributed or dist.is_initialized():
         return device
+    chosen = pick_backend(device, backend)
+    check_gpus_per_node(env.local_world_size, torch.cuda.device_count(), chosen)
     # Under torchrun, env:// reuses the elastic agent's store; srun tasks meet over TCP.
     init_method = "env://" if env.source == "torchrun" else f"tcp://{_bracket(env.master_addr)}:{env.master_port}"
     dist.init_process_group(
-        backend=pick_backend(device, backend), init_method=init_method,
+        backend=chosen, init_method=init_method,
         rank=env.rank, world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
     return device
+
+
+def check_gpus_per_node(local_ranks: int, gpus: int, backend: str) -> None:
+    """NCCL cannot run two ranks on one GPU: it fails deep inside the first collective with
+    "Duplicate GPU detected". Say so before the process group starts, with the numbers."""
+    if backend == "nccl" and local_ranks > gpus:
+        raise EnvError(
+            f"{local_ranks} ranks on this node but {gpus} GPU(s) visible: NCCL needs one GPU per rank; "
+            f"hint: start at most {gpus} processes per node (hpctrain run -n {gpus}), check "
+            "CUDA_VISIBLE_DEVICES, or use parallel.backend=gloo")
 
 
 def _bracket(addr: str) -> str:

@@ -11,7 +11,7 @@ import torch
 from hpctrain import env as cluster
 from hpctrain.config import Config
 from hpctrain.data import build_val_loader
-from hpctrain.errors import UserError
+from hpctrain.errors import UserError, agree
 from hpctrain.evaluate import evaluate, write_predictions
 from hpctrain.metrics import default_metrics
 from hpctrain.models import build_model
@@ -25,12 +25,24 @@ class WeightsError(UserError):
     """The weights file is missing or does not fit the model."""
 
 
+class EvalOutputError(UserError):
+    """eval.json or predictions.jsonl cannot be written."""
+
+
 def load_weights(model: torch.nn.Module, path: Path) -> None:
     if not path.is_file():
         raise WeightsError(f"weights file {path} does not exist; hint: a run writes RUN_DIR/model.pt")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # not a torch file, truncated, or pickled objects weights_only refuses
+        raise WeightsError(f"weights file {path} cannot be loaded as a state dict ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}); hint: pass a run's model.pt, or "
+                           "export a checkpoint with `hpctrain ckpt export RUN_DIR OUT.pt`") from None
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         state = state["model"]
+    if not isinstance(state, dict):
+        raise WeightsError(f"weights file {path} holds a {type(state).__name__}, not a state dict; hint: save "
+                           "model.state_dict(), or pass a run's model.pt")
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
@@ -41,22 +53,37 @@ def run_eval(cfg: Config, weights: Path, out_dir: Path | None = None, prediction
     env = cluster.detect()
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     try:
-        loader, data_classes, input_shape = build_val_loader(cfg, env)
-        num_classes = cfg.model.num_classes or data_classes
-        model = build_model(cfg.model.name, num_classes, input_shape[0])
-        load_weights(model, weights)
+        # Every rank loads; one rank's failure fails all of them here, never in evaluate's collectives.
+        loader, num_classes, model = agree("loading the eval data and weights", lambda: _prepare(cfg, env, weights))
         result = evaluate(model.to(device), loader, default_metrics(num_classes), env, device,
                           Precision(cfg.precision, device), collect_predictions=predictions)
         report = {**result.metrics, "samples_per_s": result.samples_per_s, "world_size": env.world_size,
                   "weights": str(weights), "split": cfg.data.val_split, "data": cfg.data.name}
         target = out_dir or weights.parent
-        if env.is_main:
-            target.mkdir(parents=True, exist_ok=True)
-            write_json(target / "eval.json", report)
-            if predictions:
-                write_predictions(result.predictions, target / "predictions.jsonl")
-            log.info("eval: count %d  correct %d  accuracy %.4f  loss %.4f -> %s", report["count"],
-                     report["correct"], report["accuracy"], report["loss"], target / "eval.json")
+        agree("writing the eval results", lambda: _write(report, result.predictions if predictions else None,
+                                                         target) if env.is_main else None)
         return report
     finally:
         cluster.teardown()
+
+
+def _prepare(cfg: Config, env: cluster.ClusterEnv, weights: Path) -> tuple[Any, int, torch.nn.Module]:
+    loader, data_classes, input_shape = build_val_loader(cfg, env)
+    num_classes = cfg.model.num_classes or data_classes
+    model = build_model(cfg.model.name, num_classes, input_shape=input_shape)
+    load_weights(model, weights)
+    return loader, num_classes, model
+
+
+def _write(report: dict[str, Any], predictions: list[dict[str, Any]] | None, target: Path) -> None:
+    """eval.json and predictions.jsonl, each whole or not at all (rank 0)."""
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        if predictions is not None:
+            write_predictions(predictions, target / "predictions.jsonl")
+        write_json(target / "eval.json", report)
+    except OSError as err:
+        raise EvalOutputError(f"cannot write the eval results to {target}: {err}; hint: pass --out DIR "
+                              "(a writable directory)") from err
+    log.info("eval: count %d  correct %d  accuracy %.4f  loss %.4f -> %s", report["count"],
+             report["correct"], report["accuracy"], report["loss"], target / "eval.json")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpctrain.data import EvalBatches
 from hpctrain.data.sources import Batch
 from hpctrain.env import ClusterEnv, collective_device
 from hpctrain.metrics import EvalOutput, Metric
@@ -41,7 +42,7 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable[Batch], metrics: Sequence[Metric], env: ClusterEnv,
+def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], env: ClusterEnv,
              device: torch.device, precision: Precision | None = None,
              collect_predictions: bool = False) -> EvalResult:
     """Run ``metrics`` over ``loader`` on every rank and return the global values on every rank."""
@@ -68,16 +69,16 @@ def evaluate(model: nn.Module, loader: Iterable[Batch], metrics: Sequence[Metric
     return EvalResult(merged, time.perf_counter() - start, gathered)
 
 
-def _lockstep(loader: Iterable[Batch], env: ClusterEnv, device: torch.device) -> Iterator[Batch]:
+def _lockstep(loader: EvalBatches, env: ClusterEnv, device: torch.device) -> Iterator[Batch]:
     """The loader's batches, then masked padding batches up to the largest count of any rank."""
-    local = len(loader)  # type: ignore[arg-type]
+    local = len(loader)
     steps = _all_reduce_max(local, env, device)
     template: Batch | None = None
     for batch in loader:
         template = batch
         yield batch
     for _ in range(steps - local):
-        yield _padding(template if template is not None else loader.template())  # type: ignore[attr-defined]
+        yield _padding(template if template is not None else loader.template())
 
 
 def _padding(like: Batch) -> Batch:
@@ -155,6 +156,9 @@ def gather_predictions(rows: list[dict[str, Any]], env: ClusterEnv) -> list[dict
 
 
 def write_predictions(rows: list[dict[str, Any]], path: Path) -> None:
-    with open(path, "w") as fh:
+    """One JSON row per sample; the file appears whole or not at all."""
+    from hpctrain.rundir import atomic_open
+
+    with atomic_open(path, "w") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")

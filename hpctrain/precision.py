@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+PrecisionMode = Literal["fp32", "bf16", "fp16"]  # the top-level config key `precision`
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -10,13 +10,15 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 from torch import nn
 
-from hpctrain.errors import UserError
+from hpctrain.errors import UserError, agree
 
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
@@ -78,18 +80,49 @@ def _remove_old_checkpoints(checkpoints: Path) -> None:
     trash = checkpoints.with_name(f".{CHECKPOINTS}.old-{os.getpid()}")
     try:
         os.replace(checkpoints, trash)
+        fsync_dir(checkpoints.parent)
         shutil.rmtree(trash)
     except OSError as err:
         raise RunDirError(f"run.overwrite=true: cannot remove the old {checkpoints}: {err}") from err
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+def fsync_dir(path: Path) -> None:
+    """Make a rename (or a new name) in ``path`` durable: without it a power loss after
+    ``os.replace`` may bring the old name back. Every atomic writer calls it."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_durably(tmp: Path, path: Path) -> None:
+    """``os.replace(tmp, path)`` and fsync of the parent directory."""
     os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_open(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """A file that appears under ``path`` whole or not at all: written to a temporary
+    name beside it, flushed, fsynced, renamed, parent directory fsynced. On an error the
+    temporary file is removed and ``path`` is untouched."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        replace_durably(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_open(path, "wb") as fh:
+        fh.write(data)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -101,11 +134,8 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def save_model(model: nn.Module, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(model.state_dict(), tmp)
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    with atomic_open(path, "wb") as fh:
+        torch.save(model.state_dict(), fh)
 
 
 def params_sha256(model: nn.Module) -> str:
@@ -131,3 +161,41 @@ class MetricsLog:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def prepare_run_dir_together(path: Path, overwrite: bool, resume: str, is_main: bool) -> None:
+    """:func:`prepare_run_dir` once the process group exists: rank 0 alone changes the
+    directory (``run.overwrite=true`` renames ``checkpoints/`` away) while the other ranks
+    wait for its outcome, so no rank lists ``checkpoints/`` during the rename, and rank 0's
+    error fails every rank with the same message. Every rank calls it."""
+    agree("preparing run.dir", lambda: prepare_run_dir(path, overwrite, resume) if is_main else None)
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first: what creating
+    it will make, so that a run failing during set-up can remove them again."""
+    missing: list[Path] = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_empty_dirs(created: list[Path]) -> None:
+    """Undo a failed start: remove the directories of :func:`missing_dirs` (and empty folders
+    inside them) while they hold no file. A directory with any file in it is kept as it is."""
+    if not created:
+        return
+    for folder in sorted((p for p in created[0].rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        _rmdir_if_empty(folder)
+    for folder in created:
+        if not _rmdir_if_empty(folder):
+            return
+
+
+def _rmdir_if_empty(folder: Path) -> bool:
+    try:
+        folder.rmdir()
+    except OSError:  # not empty (or already gone): keep it
+        return not folder.exists()
+    return True

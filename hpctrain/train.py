@@ -9,6 +9,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,8 @@ from tqdm import tqdm
 from hpctrain import env as cluster
 from hpctrain.checkpoint import Checkpointer
 from hpctrain.checkpoint.preempt import SignalFlag, write_status
-from hpctrain.config import Config, ConfigError, check_world, to_yaml
-from hpctrain.data import Batch, DataBundle, build_data
+from hpctrain.config import Config, ConfigError, check_world, for_world, to_yaml
+from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data
 from hpctrain.evaluate import EvalResult, evaluate
 from hpctrain.metrics import Metric, default_metrics
 from hpctrain.models import build_model
@@ -35,8 +36,10 @@ from hpctrain.rundir import (
     MetricsLog,
     atomic_write_text,
     check_run_dir,
+    missing_dirs,
     params_sha256,
-    prepare_run_dir,
+    prepare_run_dir_together,
+    remove_empty_dirs,
     resolve_run_dir,
     save_model,
     write_json,
@@ -68,8 +71,8 @@ class Components:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     precision: Precision
-    train_loader: Any   # training-loader protocol (hpctrain.data)
-    val_loader: Any     # evaluation-loader protocol, or None
+    train_loader: TrainLoader
+    val_loader: EvalBatches | None
     metrics: list[Metric]
     counters: Counters = field(default_factory=Counters)
 
@@ -110,9 +113,13 @@ def total_steps(cfg: Config, batches_per_epoch: int) -> int:
 
 
 def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device, data: DataBundle) -> Components:
+    """``cfg`` as this world size runs it: pass ``for_world(cfg, env.world_size)`` (and build the data from it)."""
+    if for_world(cfg, env.world_size) is not cfg:
+        raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} needs the per-rank split first; "
+                          "hint: cfg = hpctrain.config.for_world(cfg, env.world_size) before build_data")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     num_classes = cfg.model.num_classes or data.num_classes
-    model = build_model(cfg.model.name, num_classes, data.input_shape[0]).to(device)
+    model = build_model(cfg.model.name, num_classes, input_shape=data.input_shape).to(device)
     model = parallelize(model, env, cfg.parallel, compile=cfg.train.compile)
     global_batch = cfg.data.batch_size * env.world_size * cfg.train.grad_accum
     optimizer = build_optimizer(model, cfg.optim, peak_lr(cfg.optim, global_batch))
@@ -158,9 +165,8 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
     model, optimizer, precision, counters = parts.model, parts.optimizer, parts.precision, parts.counters
     accum, loader = cfg.train.grad_accum, parts.train_loader
     loader.set_epoch(counters.epoch)
-    usable = len(loader) - len(loader) % accum  # a last partial accumulation is dropped
+    start, usable = accumulation_window(loader.batches_done, len(loader), accum)
     losses: list[torch.Tensor] = []  # summed only when a row is logged: no per-step tensor op
-    start = loader.batches_done
     batches = _epoch_batches(loader) if start < usable else iter(())
     for micro in range(start, usable):
         wait_start = time.perf_counter()
@@ -169,7 +175,7 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
         if batch is None:
             break
         batch = batch.to(device, non_blocking=True)
-        last_micro = (micro + 1) % accum == 0
+        last_micro = (micro - start + 1) % accum == 0
         with no_sync(model, skip=not last_micro):
             with precision.autocast():
                 loss = batch_loss(model(batch.inputs), batch)
@@ -184,7 +190,7 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
         counters.samples_seen += meter.global_batch
         bar.update(1)
         if counters.step % cfg.train.log_every == 0:
-            _log_row(metrics_log, meter, counters, optimizer, losses, loader)
+            _log_row(env, metrics_log, meter, counters, optimizer, losses, loader)
             losses = []
         if cfg.train.eval_every_steps and counters.step % cfg.train.eval_every_steps == 0:
             _validate(cfg, env, device, parts, metrics_log, result, ckpt)
@@ -196,7 +202,18 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
     return True
 
 
-def _epoch_batches(loader: Any) -> Any:
+def accumulation_window(batches_done: int, batches: int, accum: int) -> tuple[int, int]:
+    """The micro-batches [start, end) of this epoch that form whole optimizer steps.
+
+    Steps are counted from where the loader resumes, so every optimizer step takes exactly
+    ``accum`` micro-batches of the configured size, also when a resume at another world
+    size lands mid-accumulation (the saved position is a step boundary of the old split,
+    not necessarily of the new one). Nothing is skipped at the start; the epoch's last
+    ``< accum`` micro-batches are dropped, as in an uninterrupted epoch."""
+    return batches_done, batches_done + (batches - batches_done) // accum * accum
+
+
+def _epoch_batches(loader: TrainLoader) -> Iterator[Batch]:
     """The epoch's batches. Starting a DataLoader iterator draws a worker seed from the
     global torch RNG; isolating that draw keeps the dropout stream of a run resumed
     mid-epoch identical to an uninterrupted one."""
@@ -245,18 +262,29 @@ class _Meter:
         return rate, share
 
 
-def _log_row(metrics_log: MetricsLog | None, meter: _Meter, counters: Counters,
-             optimizer: torch.optim.Optimizer, losses: list[torch.Tensor], loader: Any) -> None:
+def _log_row(env: cluster.ClusterEnv, metrics_log: MetricsLog | None, meter: _Meter, counters: Counters,
+             optimizer: torch.optim.Optimizer, losses: list[torch.Tensor], loader: TrainLoader) -> None:
     steps = counters.step - meter.last_step
     rate, wait_share = meter.interval(counters.step)
+    loss = _mean_over_ranks(torch.stack(losses).sum() / max(steps, 1), env)  # every rank: a collective
     if metrics_log is None:
         return
     metrics_log.write({
         "step": counters.step, "epoch": counters.epoch,
-        "loss": float(torch.stack(losses).sum()) / max(steps, 1),  # rank 0's loss: a progress signal only
+        "loss": loss,  # mean over ranks of the steps' mean losses since the last row
         "lr": optimizer.param_groups[0]["lr"], "samples_per_s": rate, "data_wait_share": wait_share,
         "skipped_samples": getattr(loader, "skipped", 0),  # this rank's count; the summary has the total
     })
+
+
+def _mean_over_ranks(value: torch.Tensor, env: cluster.ClusterEnv) -> float:
+    """One small all-reduce per log row (not per step), so the logged loss is the global
+    batch's, comparable across world sizes, not rank 0's share."""
+    if env.distributed:
+        value = value.detach().float().to(cluster.collective_device()).clone()
+        torch.distributed.all_reduce(value)
+        value = value / env.world_size
+    return float(value)
 
 
 def _validate(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
@@ -300,34 +328,45 @@ def train(cfg: Config) -> dict[str, Any]:
     """``hpctrain train``: returns the summary (written to RUN_DIR/summary.json by rank 0)."""
     env = cluster.detect()
     check_world(cfg, env.world_size)
+    given, cfg = cfg, for_world(cfg, env.world_size)  # data.global_batch_size -> this world's micro-batch, accum
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
     resume = cfg.resume if cfg.checkpoint.enabled else "never"
-    if env.is_main:
-        prepare_run_dir(run_dir, cfg.run.overwrite, resume)
-    else:
-        check_run_dir(run_dir, cfg.run.overwrite, resume)
+    check_run_dir(run_dir, cfg.run.overwrite, resume)  # read-only, every rank: all fail alike before the group
+    created = missing_dirs(run_dir)  # a start that fails (bad data, model, checkpoint) leaves none of them behind
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     try:
-        return _train_in_group(cfg, env, device, run_dir)
+        prepare_run_dir_together(run_dir, cfg.run.overwrite, resume, env.is_main)  # rank 0 changes it, all wait
+        return _train_in_group(cfg, env, device, run_dir, given)
+    except BaseException:
+        if env.is_main:
+            remove_empty_dirs(created)
+        raise
     finally:
         cluster.teardown()
 
 
-def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, run_dir: Path) -> dict[str, Any]:
+def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
+                    given: Config | None = None) -> dict[str, Any]:
+    """``cfg`` as this world size runs it; ``given`` (default: cfg) as the user wrote it, for config.yaml."""
     signals = SignalFlag(cfg.checkpoint.signals if cfg.checkpoint.enabled else [])
     signals.install()  # early: a preemption during set-up must not kill the job unsaved
     configure_runtime(cfg, env)
     data = build_data(cfg, env, device)
     parts = build_components(cfg, env, device, data)
+    if parts.val_loader is not None:  # a misspelt train.best_metric fails now, not after the first validation
+        _improved(cfg, {f"val_{k}": v for m in parts.metrics for k, v in m.compute().items()
+                        if isinstance(v, (int, float))}, {})
     seed_everything(cfg.seed + env.rank)  # dropout etc. differ per rank; data order does not
     ckpt = Checkpointer(cfg, env, device, run_dir, parts, signals) if cfg.checkpoint.enabled else None
     if ckpt is not None:
         ckpt.resume(cfg.resume)  # before metrics.jsonl opens: resume trims rows past the checkpoint
     if env.is_main:
-        atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+        atomic_write_text(run_dir / "config.yaml", to_yaml(given or cfg))
         write_status(run_dir, "running", step=parts.counters.step)
-        log.info("training %s on %s: %d train / %d val samples, world size %d, device %s",
-                 cfg.model.name, cfg.data.name, data.train_size, data.val_size, env.world_size, device)
+        log.info("training %s on %s: %d train / %d val samples, world size %d, device %s; global batch %d = "
+                 "%d per rank x %d micro-steps x %d ranks", cfg.model.name, cfg.data.name, data.train_size,
+                 data.val_size, env.world_size, device, cfg.data.batch_size * cfg.train.grad_accum * env.world_size,
+                 cfg.data.batch_size, cfg.train.grad_accum, env.world_size)
     metrics_log = MetricsLog(run_dir / "metrics.jsonl" if env.is_main else None)
     try:
         result = _run_loop(cfg, env, device, parts, metrics_log, ckpt)

@@ -27,3 +27,29 @@ class _Slow(nn.Module):
 
 def slow_mlp(num_classes: int = 10) -> nn.Module:
     return _Slow(tiny_mlp(num_classes), 0.02)
+
+
+def make_parts(seed: int = 0, step: int = 1):  # type: ignore[no-untyped-def]
+    """Trainer parts of a tiny model with optimizer state, for Checkpointer tests without a run."""
+    import torch
+
+    from hpctrain.precision import Precision
+    from hpctrain.train import Components, Counters
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()  # optimizer state exists
+    return Components(model, optimizer, None, Precision("fp32", torch.device("cpu")), StaticLoader(), None, [],
+                      Counters(step=step))
+
+
+class StaticLoader:
+    """The loader protocol's state part only."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": 0, "batches_done": 3}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass

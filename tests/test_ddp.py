@@ -1,5 +1,12 @@
 """DDP on real gloo ranks equals one process with the global batch; accumulation equals a big batch."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from hpctrain.config import load_config
@@ -9,15 +16,20 @@ from hpctrain.train import build_components, fit
 from tests.dist_utils import run_ranks
 
 STEPS = 10
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train_weights(env, batch_size: int, grad_accum: int = 1, extra: tuple[str, ...] = ()) -> dict:
-    cfg = load_config(None, [
+def _cfg(batch_size: int, grad_accum: int, extra: tuple[str, ...]):
+    return load_config(None, [
         "model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=1024",
         f"data.batch_size={batch_size}", f"train.grad_accum={grad_accum}", f"train.max_steps={STEPS}",
         "train.progress=false", "train.eval_each_epoch=false", "optim.name=sgd", "optim.lr=0.1",
         "optim.momentum=0.9", "optim.schedule=constant", "precision=fp32", "seed=7", *extra,
     ])
+
+
+def _train_weights(env, batch_size: int, grad_accum: int = 1, extra: tuple[str, ...] = ()) -> dict:
+    cfg = _cfg(batch_size, grad_accum, extra)
     device = torch.device("cpu")
     parts = build_components(cfg, env, device, build_data(cfg, env, device, with_val=False))
     initial = {k: v.detach().clone() for k, v in unwrap(parts.model).state_dict().items()}
@@ -51,7 +63,60 @@ def test_gradient_accumulation_equals_one_big_step():
     assert _max_diff(big, accumulated) <= 1e-6
 
 
-def test_accumulation_skips_allreduce_on_inner_micro_steps(monkeypatch):
+def _count_allreduced_backwards(env, grad_accum: int) -> tuple[int, int]:
+    """(optimizer steps, backward passes whose gradients DDP all-reduced), seen by a comm hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    cfg = _cfg(8, grad_accum, ())
+    device = torch.device("cpu")
+    parts = build_components(cfg, env, device, build_data(cfg, env, device, with_val=False))
+    reduced = []
+
+    def counting_hook(state, bucket):  # bucket 0 is reduced once per synchronized backward
+        if bucket.index() == 0:
+            reduced.append(1)
+        return allreduce_hook(state, bucket)
+
+    parts.model.register_comm_hook(None, counting_hook)
+    fit(cfg, env, device, parts)
+    return parts.counters.step, len(reduced)
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step():
+    """Fails if no_sync is dropped: every micro-step would all-reduce (2 x as many)."""
+    for steps, reduced in run_ranks(2, _count_allreduced_backwards, 2):
+        assert steps == STEPS and reduced == STEPS
+    for steps, reduced in run_ranks(2, _count_allreduced_backwards, 1):
+        assert steps == STEPS and reduced == STEPS
+
+
+def _clipped_norms(env, clip: float) -> list[float]:
+    """The global gradient norm the optimizer sees at every step (after clipping)."""
+    cfg = _cfg(4, 2, (f"train.clip_grad_norm={clip}",))
+    device = torch.device("cpu")
+    parts = build_components(cfg, env, device, build_data(cfg, env, device, with_val=False))
+    norms: list[float] = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    parts.optimizer.register_step_pre_hook(record)
+    fit(cfg, env, device, parts)
+    return norms
+
+
+def test_clipping_limits_the_global_norm_the_optimizer_sees():
+    """Fails if clipping does nothing: unclipped norms of this model are far above 1e-2."""
+    unclipped = run_ranks(1, _clipped_norms, 1e6)[0]
+    assert len(unclipped) == STEPS and min(unclipped) > 0.1
+    ranks = run_ranks(2, _clipped_norms, 1e-2)
+    for norms in ranks:
+        assert len(norms) == STEPS and all(abs(n - 1e-2) < 1e-6 for n in norms), norms
+    assert ranks[0] == ranks[1]  # clipped after the all-reduce: the same norm on every rank
+
+
+def test_no_sync_dispatch():
     from torch.nn.parallel import DistributedDataParallel
 
     from hpctrain.parallel.ddp import no_sync
@@ -71,3 +136,49 @@ def test_accumulation_skips_allreduce_on_inner_micro_steps(monkeypatch):
     with no_sync(fake, skip=False):
         pass
     assert fake.entered == 1
+
+
+# ---------------------------------------------------------------- elastic resume keeps the global batch
+
+
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
+                                                                        "SLURM_", "TORCHELASTIC_", "GROUP_RANK"))}
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", GLOO_SOCKET_IFNAME="lo",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "hpctrain", "train", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_resume_at_another_world_size_keeps_global_batch_and_losses(tmp_path):
+    """World 2 (16 per rank: 2 micro-steps of 8) -> resume at world 4 (8 per rank, 1 micro-step):
+    the resumed steps see the same samples per step, so their losses equal the world-2 run's."""
+    from hpctrain.data.shards import npz_source, write_shards
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((384, 128)).astype(np.float32),
+             y=rng.integers(0, 10, 384))
+    source = npz_source(str(tmp_path / "data.npz"), "train")
+    write_shards(source.samples, tmp_path / "shards", "train", samples_per_shard=100, meta=source.meta)
+    common = ["model.name=tests.models:tiny_mlp", "data.name=shards", f"data.path={tmp_path / 'shards'}",
+              "data.shuffle=global", "data.global_batch_size=32", "data.batch_size=8", "train.max_steps=8",
+              "train.log_every=1", "train.progress=false", "train.eval_each_epoch=false", "train.threads=1",
+              "optim.schedule=constant", "optim.lr=0.2", "checkpoint.every_seconds=off", "seed=3"]
+    two = _torchrun(2, *common, f"run.dir={tmp_path / 'w2'}", "checkpoint.every_steps=4", "checkpoint.keep_last=5")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "global batch 32 = 8 per rank x 2 micro-steps x 2 ranks" in two.stderr
+    ckpt = tmp_path / "w2" / "checkpoints" / "step-000000004"
+    four = _torchrun(4, *common, f"run.dir={tmp_path / 'w4'}", f"resume={ckpt}")
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert "global batch 32 = 8 per rank x 1 micro-steps x 4 ranks" in four.stderr
+    reference, resumed = _losses(tmp_path / "w2"), _losses(tmp_path / "w4")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step, loss in resumed.items():
+        assert abs(loss - reference[step]) <= 1e-5, (step, loss, reference[step])
+    assert len({round(v, 4) for v in resumed.values()}) == 4  # it trained: the losses move

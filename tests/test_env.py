@@ -80,3 +80,12 @@ def test_inconsistent_torchrun_settings_are_named(vars_, names):
 def test_slurm_rank_outside_world():
     with pytest.raises(EnvError, match="SLURM_PROCID=9"):
         detect(slurm_vars(SLURM_PROCID="9"))
+
+
+def test_nccl_needs_one_gpu_per_local_rank() -> None:
+    from hpctrain.env import check_gpus_per_node
+
+    check_gpus_per_node(2, 2, "nccl")
+    check_gpus_per_node(4, 1, "gloo")  # gloo may share a GPU
+    with pytest.raises(EnvError, match="2 ranks on this node but 1 GPU"):
+        check_gpus_per_node(2, 1, "nccl")

@@ -81,9 +81,48 @@ def test_deterministic_runs_repeat_bit_for_bit():
     assert a == b != c
 
 
-def test_clip_grad_norm_limits_the_update():
-    parts = _run("train.clip_grad_norm=1e-6", "optim.momentum=0", "optim.schedule=constant", "train.max_steps=1")
-    assert parts.counters.step == 1  # clipping ran through the precision's unscale path
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_clip_grad_norm_limits_the_norm_the_optimizer_sees(precision):
+    """Fails if clipping does nothing, or (fp16) clips the loss-scaled gradients before unscaling."""
+    cfg = load_config(None, ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=512",
+                             "data.batch_size=16", "train.max_steps=4", "train.progress=false",
+                             "train.eval_each_epoch=false", "train.clip_grad_norm=0.01", f"precision={precision}"])
+    env = ClusterEnv()
+    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU, with_val=False))
+    norms: list[float] = []
+    parts.optimizer.register_step_pre_hook(lambda opt, args, kwargs: norms.append(_grad_norm(opt)))
+    fit(cfg, env, CPU, parts)
+    assert len(norms) == 4 and all(abs(n - 0.01) < 1e-5 for n in norms), norms
+
+
+def _grad_norm(optimizer: torch.optim.Optimizer) -> float:
+    grads = [p.grad.float() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def test_resume_mid_accumulation_keeps_whole_optimizer_steps():
+    """A loader resumed at an odd micro-batch (another world size's step boundary): every optimizer
+    step still takes exactly grad_accum micro-batches, each counted from the resume point."""
+    cfg = load_config(None, ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
+                             "data.batch_size=16", "train.grad_accum=2", "train.progress=false",
+                             "train.eval_each_epoch=false", "train.log_every=1000"])
+    env = ClusterEnv()
+    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU, with_val=False))
+    parts.train_loader.load_state_dict({"epoch": 0, "batches_done": 3})  # 16 batches: 3 done, 13 left
+    micro_batches: list[int] = []
+    forwards = [0]
+
+    def count_forward(*_: object) -> None:
+        forwards[0] += 1
+
+    def close_step(*_: object) -> None:
+        micro_batches.append(forwards[0])
+        forwards[0] = 0
+
+    parts.model.register_forward_hook(count_forward)
+    parts.optimizer.register_step_pre_hook(close_step)
+    fit(cfg, env, CPU, parts)
+    assert micro_batches == [2] * 6 and parts.counters.step == 6  # 13 = 6 whole steps + 1 dropped
 
 
 def test_torchrun_command_line_carries_elastic_options():

@@ -12,10 +12,12 @@ Usable from a hand-written loop too::
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -33,10 +35,15 @@ from hpctrain.checkpoint.state import (
     snapshot,
 )
 from hpctrain.checkpoint.writer import CheckpointWriter, default_group
-from hpctrain.config import Config, to_dict
 from hpctrain.env import ClusterEnv
+from hpctrain.errors import agree
+from hpctrain.section import to_dict
+
+if TYPE_CHECKING:  # the composed config imports this package: no runtime import back
+    from hpctrain.config import Config
 
 log = logging.getLogger("hpctrain")
+T = TypeVar("T")
 
 
 class Checkpointer:
@@ -65,57 +72,97 @@ class Checkpointer:
         self.last_saved_step = -1
         self.resumed_from: Path | None = None
         self.best: dict[str, Any] = {}
+        self._best_pending: dict[str, Any] | None = None  # best.json waits for its checkpoint's commit
         self.preempted = False
-        if env.is_main:
+        # Nobody writes a new partial before the old ones are gone; rank 0's failure fails all.
+        agree("preparing the checkpoint directory", lambda: self._prepare_root() if env.is_main else None)
+
+    def _prepare_root(self) -> None:
+        try:
             self.root.mkdir(parents=True, exist_ok=True)
-            layout.remove_partials(self.root)
-        self._barrier()  # nobody writes a new partial before the old ones are gone
+        except OSError as err:
+            raise layout.CheckpointError(f"cannot create {self.root}: {err}; hint: check run.dir permissions") from err
+        layout.remove_partials(self.root)
 
     # ---------------------------------------------------------------- resume
 
     def resume(self, spec: str) -> bool:
-        """``auto``: newest committed checkpoint of the run dir (if any); ``never``; or a PATH.
-        Rank 0 picks and verifies, every rank loads. Returns True if state was restored."""
+        """``auto``: newest intact checkpoint of the run dir (if any); ``never``; or a PATH.
+        Rank 0 lists the candidates; every rank reads and checks its files in one pass; all
+        ranks agree on the outcome of each phase, so one rank's failure fails every rank
+        (never a hang). Returns True if state was restored."""
         if spec == "never":
             return False
-        chosen = self._pick(spec) if self.env.is_main else None
-        chosen = self._broadcast(chosen)
-        if chosen is None:
+        candidates = self._decided("choosing the checkpoint to resume",
+                                   lambda: [str(p) for p in layout.candidates(spec, self.root)])
+        skipped: list[str] = []
+        for path in map(Path, candidates):
+            loaded, problems = self._read_everywhere(path)
+            if not problems:
+                break
+            if spec != "auto":
+                raise layout.CheckpointError(f"resume={spec}: checkpoint {path} is corrupt: {'; '.join(problems)}; "
+                                             f"hint: `hpctrain ckpt verify {path}`")
+            if self.env.is_main:
+                log.warning("checkpoint %s is corrupt and is skipped: %s", path, "; ".join(problems))
+            skipped.append(f"{path.name} ({problems[0]})")
+        else:
+            if candidates:  # the corrupt ones were read into the live model: starting fresh is no option
+                raise layout.CheckpointError(
+                    f"no intact checkpoint in {self.root}: all {len(candidates)} are corrupt: {'; '.join(skipped)}; "
+                    f"hint: `hpctrain ckpt verify {self.run_dir}`, move the corrupt ones aside, or start over with "
+                    "resume=never run.overwrite=true")
             return False
-        self.best = self._load(Path(chosen))
-        self.resumed_from = Path(chosen)
-        if Path(chosen).parent.resolve() == self.root.resolve():
-            self.writer.last_committed = Path(chosen)
-        if self.env.is_main:
-            layout.set_aside(self.root, self.parts.counters.step)
-        self.last_saved_step = self.parts.counters.step
-        if self.env.is_main:
-            log.info("resumed from %s (step %d, epoch %d)", chosen, self.parts.counters.step,
-                     self.parts.counters.epoch)
-            _trim_metrics(self.run_dir / "metrics.jsonl", self.parts.counters.step)
+        self._restore(path, loaded)
         return True
 
-    def _pick(self, spec: str) -> str | None:
-        if spec == "auto":
-            found = layout.newest_valid(self.root)
-            if found is None and layout.committed(self.root):
-                log.warning("no intact checkpoint in %s: starting from scratch", self.root)
-            return str(found.path) if found else None
-        path = layout.resolve(spec)
-        problems = layout.verify(path)
-        if problems:
-            raise layout.CheckpointError(f"resume={spec}: checkpoint {path} is corrupt: {'; '.join(problems)}")
-        return str(path)
+    def _read_everywhere(self, path: Path) -> tuple[Any, list[str]]:
+        """Every rank reads (and checks) its files of ``path``. Returns this rank's state and
+        the problems every rank found (the same list on all ranks: all skip alike). An
+        unexpected error on one rank fails all ranks alike."""
+        problems, loaded = agree(f"reading checkpoint {path}", lambda: self._read(path))
+        return loaded, [p for rank_problems in self._all_gather(problems) for p in rank_problems]
 
-    def _load(self, path: Path) -> dict[str, Any]:
-        manifest = layout.read_manifest(path)
-        same_world = manifest.get("world_size") == self.env.world_size
-        mine = rank_file(self.env.rank if same_world else 0)
-        replicated = load_replicated(path, live_tensors(self.parts))
-        per_rank = load_file(path / mine)
-        if manifest.get("format") == "dcp":
-            restore_sharded(self.parts, path / SHARDED_DIR, self.group)
-        return restore(self.parts, replicated, per_rank, self.env, self.device, self.cfg_dict)
+    def _read(self, path: Path) -> tuple[list[str], Any]:
+        """This rank's files of ``path``, each read once and checked against the manifest
+        while it is read (the model's bytes straight into the live parameters). Returns
+        (problems, (replicated, per_rank)); corruption is a problem, not an error."""
+        try:
+            manifest = layout.read_manifest(path)
+            files = manifest["files"]
+            same_world = manifest.get("world_size") == self.env.world_size
+            replicated = load_replicated(path, live_tensors(self.parts), files)
+            per_rank = load_file(path / rank_file(self.env.rank if same_world else 0), files)
+            if manifest.get("format") == "dcp":
+                self._verify_sharded(path, files)
+        except (layout.CheckpointError, tensorfile.TensorFileError) as err:
+            return [str(err)], None
+        return [], (replicated, per_rank)
+
+    def _verify_sharded(self, path: Path, files: dict[str, Any]) -> None:
+        """format=dcp: DCP reads the shards itself, so they are hashed before it does (two
+        passes); each rank takes a share of the files."""
+        names = sorted(n for n in files if n.startswith(f"{SHARDED_DIR}/"))
+        for name in names[self.env.rank :: self.env.world_size]:
+            _check_entry(path / name, files[name], layout.hash_file)
+
+    def _restore(self, path: Path, loaded: tuple[dict[str, Any], dict[str, Any]]) -> None:
+        replicated, per_rank = loaded
+        if layout.read_manifest(path).get("format") == "dcp":
+            restore_sharded(self.parts, path / SHARDED_DIR, self.group)  # DCP exchanges its own errors
+        self.best = agree(f"restoring checkpoint {path}", lambda: restore(
+            self.parts, replicated, per_rank, self.env, self.device, self.cfg_dict, source=path))
+        self.resumed_from = path
+        if path.parent.resolve() == self.root.resolve():
+            self.writer.last_committed = path
+        self.last_saved_step = self.parts.counters.step
+        agree("recording the resume", lambda: self._record_resume(path) if self.env.is_main else None)
+
+    def _record_resume(self, path: Path) -> None:
+        """Rank 0: newer checkpoints set aside, metrics rows past the checkpoint dropped."""
+        layout.set_aside(self.root, self.parts.counters.step)
+        log.info("resumed from %s (step %d, epoch %d)", path, self.parts.counters.step, self.parts.counters.epoch)
+        _trim_metrics(self.run_dir / "metrics.jsonl", self.parts.counters.step)
 
     # ---------------------------------------------------------------- the loop's hook
 
@@ -136,33 +183,47 @@ class Checkpointer:
         step = self.parts.counters.step
         if step == self.last_saved_step:
             if blocking:
-                self.writer.wait()
+                self._settle()
             return
+        self._settle()  # the save in flight commits (or raises) before the next starts; best.json follows it
         snap = snapshot(self.parts, self.env, self.device, self.cfg_dict, best, self.cfg.checkpoint.format)
         if best.get("step") == step:
             snap.info["best"] = dict(best)
+        if best.get("step") == step:
+            self._best_pending = dict(best)
         self.writer.save(snap, blocking=blocking, defer=_updated_by_step(self.parts) if self._hook else None)
-        if blocking:
-            self.writer.wait()
         self.last_saved_step = step
         self.schedule.saved(self.writer.last.stall_s, max(self.writer.last.total_s, self.writer.last.stall_s))
-        if best.get("step") == step:
-            self._mark_best(best)
+        if blocking or not self.writer.busy():
+            self._settle()
 
     def note_best(self, best: dict[str, Any]) -> None:
-        """Validation found a new best at the current step: mark (or save) its checkpoint."""
+        """Validation found a new best at the current step: mark (or save) its checkpoint.
+        best.json names it only once that checkpoint is committed."""
         self.best = dict(best)
         if self.last_saved_step == best.get("step"):
-            self._mark_best(best)
+            self._best_pending = dict(best)
+            if not self.writer.busy():
+                self._settle()
         elif self.cfg.checkpoint.on_best:
             self.save(best)
 
-    def _mark_best(self, best: dict[str, Any]) -> None:
+    def _settle(self) -> None:
+        """Wait for the save in flight (its error is raised here), then write best.json if
+        the best validation's checkpoint is now committed. An async save that fails is
+        therefore never named by best.json or the summary."""
+        committed = self.writer.wait()
+        pending, self._best_pending = self._best_pending, None
+        if pending is None:
+            return
+        name = layout.step_name(int(pending["step"]))
+        if committed is None or committed.name != name:
+            self._best_pending = pending  # its save has not started yet (note_best before save)
+            return
         if self.env.is_main:
             from hpctrain.rundir import write_json
 
-            name = layout.step_name(int(best["step"]))
-            write_json(self.root / layout.BEST_FILE, {**best, "checkpoint": name})
+            write_json(self.root / layout.BEST_FILE, {**pending, "checkpoint": name})
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.writer.wait_staged()
@@ -180,7 +241,8 @@ class Checkpointer:
         if self._hook is not None:
             self._hook.remove()
         try:
-            return self.writer.wait()
+            self._settle()
+            return self.writer.last_committed
         finally:
             self.writer.close()
 
@@ -194,35 +256,51 @@ class Checkpointer:
     def best_record(self, best: dict[str, Any]) -> dict[str, Any]:
         """``best`` plus the name of its checkpoint, when one was saved at that step."""
         marked = layout.best_step(self.root)
-        if best and marked == best.get("step"):
+        if best and marked is not None and marked == best.get("step"):
             return {**best, "checkpoint": layout.step_name(marked)}
         return best
 
     # ---------------------------------------------------------------- collectives
 
-    def _broadcast(self, value: str | None) -> str | None:
-        if not self.env.distributed or not dist.is_initialized():
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+    def _decided(self, phase: str, decide: Callable[[], T]) -> T:
+        """Rank 0 decides, the others wait for its outcome: rank 0's error is raised on every
+        rank (by ``agree``) instead of leaving them in the broadcast."""
+        value: T | None = agree(phase, lambda: decide() if self.env.is_main else None)
+        if self._distributed():
+            box = [value]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            value = box[0]
+        return cast(T, value)
 
-    def _barrier(self) -> None:
-        if self.env.distributed and dist.is_initialized():
-            dist.barrier(group=self.group)
+    def _all_gather(self, value: Any) -> list[Any]:
+        if not self._distributed():
+            return [value]
+        out: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _distributed(self) -> bool:
+        return self.env.distributed and dist.is_initialized()
 
 
-def load_replicated(path: Path, into: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+def load_replicated(path: Path, into: dict[str, torch.Tensor] | None = None,
+                    files: dict[str, Any] | None = None) -> dict[str, Any]:
     """The replicated state tree of a checkpoint; tensors whose live counterpart is given
-    in ``into`` (by name) are read straight into it."""
-    skeleton = load_file(path / REPLICATED)
+    in ``into`` (by name) are read straight into it. With ``files`` (the manifest's
+    entries) every file is checked against its size and checksum in the same pass."""
+    skeleton = load_file(path / REPLICATED, files)
     tensors_file = path / REPLICATED_TENSORS
     if not tensors_file.is_file():
+        if files is not None and REPLICATED_TENSORS in files:
+            raise layout.CheckpointError(f"{tensors_file}: missing")
         return skeleton  # nothing but small values (format=dcp keeps model and optimizer apart)
+    expect = _entry(files, tensors_file)
     try:
-        tensors = tensorfile.read(tensors_file, into)
-    except (OSError, KeyError, ValueError, tensorfile.TensorFileError) as err:
-        raise layout.CheckpointError(f"{tensors_file} cannot be read ({err})") from err
+        tensors = tensorfile.read(tensors_file, into, expect)
+    except tensorfile.TensorFileError:
+        raise
+    except (OSError, KeyError, TypeError, ValueError) as err:
+        raise layout.CheckpointError(f"{tensors_file} cannot be read ({type(err).__name__}: {err})") from err
     return tensorfile.join(skeleton, tensors)
 
 
@@ -233,14 +311,46 @@ def live_tensors(parts: Any) -> dict[str, torch.Tensor]:
     return tensorfile.split({"model": unwrap(parts.model).state_dict()})[1]
 
 
-def load_file(path: Path) -> dict[str, Any]:
-    """A checkpoint file, memory-mapped (tensors are copied into live ones on restore)."""
+def load_file(path: Path, files: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A small checkpoint file (skeleton, per-rank state): read once, checked against its
+    manifest entry when ``files`` is given, then unpickled from memory."""
     if not path.is_file():
         raise layout.CheckpointError(f"{path} is missing; hint: `hpctrain ckpt verify {path.parent}`")
+    expect = _entry(files, path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        data = path.read_bytes()
+    except OSError as err:
+        raise layout.CheckpointError(f"{path} cannot be read ({err})") from err
+    if expect is not None:
+        _check_entry(path, expect, lambda _: _tree_entry(data))
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:
         raise layout.CheckpointError(f"{path} cannot be loaded ({type(err).__name__}: {err})") from err
+
+
+def _entry(files: dict[str, Any] | None, path: Path) -> dict[str, Any] | None:
+    if files is None:
+        return None
+    entry = files.get(path.name)
+    if not isinstance(entry, dict):
+        raise layout.CheckpointError(f"{path.name} is not listed in {path.parent / layout.MANIFEST}")
+    return entry
+
+
+def _tree_entry(data: bytes) -> dict[str, Any]:
+    digest = tensorfile.TreeHash()
+    digest.update(data)
+    return {"size": len(data), tensorfile.DIGEST: digest.hexdigest()}
+
+
+def _check_entry(path: Path, expect: dict[str, Any], hasher: Callable[[Path], dict[str, Any]]) -> None:
+    got = hasher(path)
+    if got["size"] != expect.get("size"):
+        raise layout.CheckpointError(f"{path}: size {got['size']} != {expect.get('size')} in the manifest "
+                                     "(truncated or overwritten)")
+    if got[tensorfile.DIGEST] != expect.get(tensorfile.DIGEST):
+        raise layout.CheckpointError(f"{path}: checksum ({tensorfile.DIGEST}) does not match the manifest (corrupted)")
 
 
 def _updated_by_step(parts: Any) -> set[int]:

@@ -41,6 +41,10 @@ def _targets(path: Path) -> list[Path]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    if not Path(args.run_dir).is_dir():
+        print(f"hpctrain ckpt list: error: run directory {args.run_dir} does not exist (or is not a directory)",
+              file=sys.stderr)
+        return 2
     root = layout.checkpoints_dir(Path(args.run_dir))
     entries = layout.committed(root)
     if not entries:
@@ -61,8 +65,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     targets = _targets(Path(args.path))
     if not targets:
-        print(f"hpctrain ckpt verify: {args.path} holds no committed checkpoint", file=sys.stderr)
-        return 1
+        print(f"hpctrain ckpt verify: error: {args.path} holds no committed checkpoint; hint: give a checkpoint "
+              "or run directory (`hpctrain ckpt list RUN_DIR`)", file=sys.stderr)
+        return 2  # wrong input; 1 means a checkpoint is corrupt
     bad = 0
     for path in targets:
         problems = layout.verify(path)
@@ -86,7 +91,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         weights = consolidated_model(path)
     except layout.CheckpointError as err:
         print(f"hpctrain ckpt export: error: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code  # 2: no checkpoint there; 1: a corrupt one
     write_weights(weights, out)
     print(f"wrote {out} ({len(weights)} tensors, step {layout.read_manifest(path).get('step')}) from {path}")
     return 0
@@ -111,6 +116,8 @@ def write_weights(weights: dict[str, torch.Tensor], out: Path) -> None:
     """``.safetensors`` (written by tensorfile: no extra package needed) or ``.pt``, atomically."""
     import os
 
+    from hpctrain.rundir import replace_durably
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().clone() for k, v in weights.items()}  # no shared storage
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -118,4 +125,4 @@ def write_weights(weights: dict[str, torch.Tensor], out: Path) -> None:
         tensorfile.write(tmp, tensors)
     else:
         layout.save_file(tensors, tmp)
-    os.replace(tmp, out)
+    replace_durably(tmp, out)

@@ -26,7 +26,8 @@ import torch
 
 from hpctrain.checkpoint import tensorfile
 from hpctrain.checkpoint.tensorfile import DIGEST, TreeHash
-from hpctrain.errors import RunError
+from hpctrain.errors import RunError, UserError
+from hpctrain.rundir import atomic_write_text, replace_durably
 
 log = logging.getLogger("hpctrain")
 
@@ -40,6 +41,10 @@ _NAME = re.compile(r"^step-(\d{9,})$")
 
 class CheckpointError(RunError):
     """A checkpoint cannot be written or read; the message names the file and a hint."""
+
+
+class NoCheckpointError(UserError, CheckpointError):
+    """A path given by the user (resume=PATH, ``hpctrain ckpt ...``) holds no committed checkpoint: exit 2."""
 
 
 def step_name(step: int) -> str:
@@ -112,14 +117,6 @@ def hash_file(path: Path) -> dict[str, Any]:
     return tensorfile.hash_file(path)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------- commit
 
 
@@ -136,15 +133,8 @@ def commit(partial: Path, final: Path, files: dict[str, dict[str, Any]], info: d
                               "or the step counter went back")
     manifest = {"format_version": FORMAT_VERSION, **info, "versions": versions(), "checksum": CHECKSUM_DOC,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
-    tmp = partial / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, partial / MANIFEST)
-    fsync_dir(partial)
-    os.replace(partial, final)
-    fsync_dir(final.parent)
+    atomic_write_text(partial / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")  # fsyncs partial/
+    replace_durably(partial, final)
 
 
 def remove_partials(root: Path) -> None:
@@ -231,6 +221,23 @@ def newest_valid(root: Path) -> Found | None:
     return None
 
 
+def candidates(spec: str, root: Path) -> list[Path]:
+    """Checkpoints to try for ``resume=spec``, newest first, not yet verified (resume
+    verifies each while loading it). ``auto``: the run's own (maybe none); a PATH: that
+    checkpoint, or the committed ones of a run directory or a checkpoints/ directory."""
+    if spec == "auto":
+        return [p for _, p in reversed(committed(root))]
+    path = Path(spec)
+    if (path / MANIFEST).is_file():
+        return [path]
+    for where in (checkpoints_dir(path), path):
+        found = [p for _, p in reversed(committed(where))]
+        if found:
+            return found
+    raise NoCheckpointError(f"resume={spec}: {path} holds no committed checkpoint (no {MANIFEST}); "
+                          "hint: `hpctrain ckpt list RUN_DIR`, or resume=auto")
+
+
 def resolve(path: str | Path) -> Path:
     """``PATH`` given by the user: a checkpoint, a run dir, or a checkpoints/ dir -> newest valid."""
     path = Path(path)
@@ -240,7 +247,7 @@ def resolve(path: str | Path) -> Path:
         found = newest_valid(root)
         if found is not None:
             return found.path
-    raise CheckpointError(f"{path} holds no committed checkpoint (no {MANIFEST}); hint: `hpctrain ckpt list RUN_DIR`")
+    raise NoCheckpointError(f"{path} holds no committed checkpoint (no {MANIFEST}); hint: `hpctrain ckpt list RUN_DIR`")
 
 
 def set_aside(root: Path, after_step: int) -> None:
@@ -252,7 +259,7 @@ def set_aside(root: Path, after_step: int) -> None:
         target = path.with_name(f"superseded-{path.name}")
         _remove_tree(target) if target.exists() else None
         try:
-            os.replace(path, target)
+            replace_durably(path, target)
             log.warning("checkpoint %s is past the resume point (step %d): kept as %s", path, after_step, target.name)
         except OSError as err:
             log.warning("checkpoint: could not rename %s (%s); the resumed run cannot commit step %d", path, err, step)
@@ -280,7 +287,7 @@ def apply_retention(root: Path, keep_last: int, keep_every: int | None) -> None:
         # Rename first: a half-deleted directory must never look committed.
         trash = path.with_name(f"{PARTIAL_PREFIX}deleting-{path.name}")
         try:
-            os.replace(path, trash)
+            replace_durably(path, trash)
         except OSError as err:
             log.warning("checkpoint retention: could not remove %s (%s); it stays", path, err)
             continue

@@ -8,45 +8,12 @@ all-reduce that agrees on preemption signals (see preempt.py).
 from __future__ import annotations
 
 import math
-import signal
 import time
 from typing import Any
-
-from hpctrain.config import ConfigError
 
 SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT")
 # Before the first save is measured, assume this write speed to estimate its cost.
 _ASSUMED_BYTES_PER_S = 500e6
-
-
-def validate_checkpoint_config(c: Any) -> None:
-    """Called by CheckpointConfig; every message names the key and the value."""
-    if isinstance(c.every_seconds, str) and c.every_seconds.lower() in ("none", "null", "off"):
-        c.every_seconds = None  # `key=None` on the command line arrives as a string
-    if c.every_steps is not None and c.every_steps <= 0:
-        raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be > 0 (or None to disable)")
-    if c.every_seconds is not None and c.every_seconds != "auto":
-        try:
-            seconds = float(c.every_seconds)
-        except ValueError:
-            raise ConfigError(f"checkpoint.every_seconds={c.every_seconds!r} must be a number of seconds, "
-                              "auto (Young-Daly) or None") from None
-        if seconds <= 0:
-            raise ConfigError(f"checkpoint.every_seconds={c.every_seconds} must be > 0")
-    if c.mtbf_hours <= 0:
-        raise ConfigError(f"checkpoint.mtbf_hours={c.mtbf_hours} must be > 0")
-    if c.keep_last < 1:
-        raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be >= 1: "
-                          "the newest good checkpoint is never deleted")
-    if c.keep_every is not None and c.keep_every <= 0:
-        raise ConfigError(f"checkpoint.keep_every={c.keep_every} must be > 0 (or None)")
-    if c.signal_check_every < 1:
-        raise ConfigError(f"checkpoint.signal_check_every={c.signal_check_every} must be >= 1")
-    if c.stagger_seconds < 0:
-        raise ConfigError(f"checkpoint.stagger_seconds={c.stagger_seconds} must be >= 0")
-    for name in c.signals:
-        if name not in SIGNALS or not hasattr(signal, name):
-            raise ConfigError(f"checkpoint.signals: {name!r} is not one of {', '.join(SIGNALS)}")
 
 
 def young_daly_seconds(save_cost_s: float, mtbf_hours: float) -> float:

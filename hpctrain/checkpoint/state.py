@@ -20,8 +20,14 @@ import numpy as np
 import torch
 
 from hpctrain.env import ClusterEnv
+from hpctrain.errors import UserError
 
 log = logging.getLogger("hpctrain")
+
+
+class CheckpointMismatchError(UserError):
+    """The checkpoint to resume holds another model's (or optimizer's) state."""
+
 
 REPLICATED = "replicated.pt"                   # the state tree, tensors replaced by names
 REPLICATED_TENSORS = "replicated.safetensors"  # their bytes (see tensorfile.py)
@@ -72,7 +78,7 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     state: dict[str, Any] = {
         "python": random.getstate(),
         # Plain lists keep the file loadable with torch.load(weights_only=True).
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+        "numpy": [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(gauss)],
         "torch": torch.get_rng_state(),
     }
     if device.type == "cuda":
@@ -129,7 +135,7 @@ def _sharded_state(parts: Any) -> dict[str, Any]:
 
 
 def restore(parts: Any, replicated: dict[str, Any], per_rank: dict[str, Any], env: ClusterEnv,
-            device: torch.device, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+            device: torch.device, cfg_dict: dict[str, Any], source: Any = None) -> dict[str, Any]:
     """Put a checkpoint back into ``parts``; returns the saved ``best`` record.
 
     ``per_rank`` is this rank's file, or rank 0's when the world size changed: then the
@@ -138,8 +144,13 @@ def restore(parts: Any, replicated: dict[str, Any], per_rank: dict[str, Any], en
     from hpctrain.parallel import unwrap
 
     if "model" in replicated:
-        unwrap(parts.model).load_state_dict(replicated["model"])
-        parts.optimizer.load_state_dict(replicated["optimizer"])
+        try:
+            unwrap(parts.model).load_state_dict(replicated["model"])
+            parts.optimizer.load_state_dict(replicated["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as err:  # another model's checkpoint: bad input, not a bug
+            raise CheckpointMismatchError(
+                f"checkpoint {source} does not fit this model ({' '.join(str(err).split())[:300]}); hint: "
+                "resume with the model.name and model.num_classes that wrote it, or resume=never") from err
     if parts.scheduler is not None and replicated.get("scheduler") is not None:
         parts.scheduler.load_state_dict(replicated["scheduler"])
     parts.precision.load_state_dict(replicated.get("scaler") or {})
@@ -165,4 +176,4 @@ def restore_sharded(parts: Any, path: Any, group: Any) -> None:
     model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(path), process_group=group)
-    set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(parts.model, parts.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -16,8 +16,10 @@ import errno
 import hashlib
 import itertools
 import json
+import math
 import mmap
 import os
+import queue
 import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -154,7 +156,10 @@ def _bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
+    if not flat.numel():
+        return memoryview(b"")
+    array: Any = flat.view(torch.uint8).numpy()  # numpy arrays are buffers; the stubs disagree
+    return memoryview(array).cast("B")
 
 
 def _bounce() -> mmap.mmap:
@@ -218,46 +223,249 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise TensorFileError(f"{path} is truncated (no header)")
-        (length,) = struct.unpack("<Q", raw)
-        try:
-            header = json.loads(fh.read(length))
-        except ValueError as err:
-            raise TensorFileError(f"{path}: header is not valid JSON ({err})") from None
+        raw, header = _read_header(fh, path)
+    return header, len(raw)
+
+
+def _read_header(fh: Any, path: Path) -> tuple[bytes, dict[str, Any]]:
+    """The raw header bytes (length prefix included: they are part of the checksum) and
+    the parsed header without its metadata."""
+    prefix = fh.read(8)
+    if len(prefix) != 8:
+        raise TensorFileError(f"{path} is truncated (no header)")
+    (length,) = struct.unpack("<Q", prefix)
+    text = fh.read(length)
+    if len(text) != length:
+        raise TensorFileError(f"{path} is truncated (header of {length} bytes)")
+    try:
+        header = json.loads(text)
+    except ValueError as err:
+        raise TensorFileError(f"{path}: header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise TensorFileError(f"{path}: header is not a JSON object")
     header.pop("__metadata__", None)
-    return header, 8 + length
+    return prefix + text, header
 
 
-def read(path: Path, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+class ChecksumError(TensorFileError):
+    """The bytes read do not match the manifest's size or checksum."""
+
+
+def read(path: Path, into: dict[str, torch.Tensor] | None = None,
+         expect: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of ``path``. Where ``into`` holds a tensor of the same name, shape and
-    dtype, the bytes are read straight into it (no new allocation)."""
-    header, data_start = read_header(path)
+    dtype, the bytes are read straight into it (no new allocation).
+
+    ``expect`` (the file's manifest entry): size and checksum are checked in the same
+    pass. Each byte is read once, into its tensor, and hashed there by helper threads
+    while the next bytes are read; a mismatch raises :class:`ChecksumError` once the
+    read is done, before the caller can use the tensors (the caller must then treat
+    ``into`` as overwritten)."""
     into = into or {}
-    out: dict[str, torch.Tensor] = {}
-    with open(path, "rb", buffering=0) as fh:
-        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-            dtype, shape = _BY_NAME[entry["dtype"]], tuple(entry["shape"])
-            begin, end = entry["data_offsets"]
-            target = into.get(name)
-            if target is None or tuple(target.shape) != shape or target.dtype != dtype or not target.is_contiguous() \
-                    or target.device.type != "cpu":
-                target = torch.empty(shape, dtype=dtype)
-            fh.seek(data_start + begin)
-            _read_exact(fh, _bytes(target), path)
-            if end - begin != target.numel() * target.element_size():
-                raise TensorFileError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {list(shape)}")
-            out[name] = target
+    digest = TreeHash() if expect is not None else None
+    size = os.stat(path).st_size
+    if expect is not None and size != expect["size"]:
+        raise ChecksumError(f"{path}: size {size} != {expect['size']} in the manifest (truncated or overwritten)")
+    with _ReadAhead(path, size) as fh:
+        try:
+            out = _read_all(fh, path, size, into, digest)
+        except ChecksumError:
+            raise
+        except TensorFileError as err:
+            if expect is None:
+                raise
+            # The size matched, so bytes that cannot be parsed are corrupted ones.
+            raise ChecksumError(f"{path}: does not match the manifest (corrupted: {err})") from None
+        finally:
+            if digest is not None:
+                digest.wait()  # no helper thread may still read the tensors when we return
+    if expect is not None and digest is not None and digest.hexdigest() != expect.get(DIGEST):
+        raise ChecksumError(f"{path}: checksum ({DIGEST}) does not match the manifest (corrupted)")
     return out
 
 
-def _read_exact(fh: Any, dest: memoryview, path: Path) -> None:
+def _read_all(fh: Any, path: Path, size: int, into: dict[str, torch.Tensor],
+              digest: TreeHash | None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    raw, header = _read_header(fh, path)
+    _update(digest, raw)
+    pos = len(raw)
+    for name, entry in sorted(_checked(header, path).items(), key=lambda item: item[1]["data_offsets"][0]):
+        begin, end = (len(raw) + offset for offset in entry["data_offsets"])
+        if begin < pos or end < begin or end > size:
+            raise TensorFileError(f"{path}: tensor {name!r} has bad data_offsets {entry['data_offsets']}")
+        _update(digest, _read_bytes(fh, begin - pos, path))  # a gap (none in files written here)
+        out[name] = target = _target(into.get(name), entry, name, path)
+        _read_exact(fh, _bytes(target), path, digest)
+        pos = end
+    _update(digest, _read_bytes(fh, size - pos, path))  # trailing bytes count too
+    return out
+
+
+class _ReadAhead:
+    """A file's bytes in order, as ``read`` / ``readinto``, read ahead by a helper thread
+    into a ring of reused page-aligned buffers with ``O_DIRECT``: large requests past the
+    page cache, like ``dd iflag=direct``, while the caller copies the previous buffer into
+    its tensors (and helper threads hash them). Falls back to buffered reads where the
+    file system has no ``O_DIRECT`` (tmpfs)."""
+
+    RING = 3
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path, self.size = path, size
+        self._bufs = _ring(self.RING)
+        self._free: queue.Queue[int | None] = queue.Queue()
+        self._full: queue.Queue[tuple[int, int] | BaseException] = queue.Queue()
+        for i in range(self.RING):
+            self._free.put(i)
+        self._fd = _open_direct(path)
+        self._cur, self._cur_index = memoryview(b""), -1
+        self._delivered = 0  # bytes handed to the reader so far
+        self._stop = False
+        self._thread = threading.Thread(target=self._fill, name="hpctrain-read", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        offset = 0
+        try:
+            while offset < self.size:
+                index = self._free.get()
+                if index is None or self._stop:  # the reader stopped early
+                    return
+                n = _pread(self._fd, self._bufs[index], offset, self.path)
+                if n <= 0:
+                    raise TensorFileError(f"{self.path} is truncated")
+                self._full.put((index, n))
+                offset += n
+        except BaseException as err:  # handed to the reader, raised there
+            self._full.put(err)
+
+    def readinto(self, dest: memoryview) -> int:
+        if not len(self._cur):
+            self._next()
+        if not len(self._cur):
+            return 0
+        n = min(len(self._cur), len(dest))
+        dest[:n] = self._cur[:n]
+        self._cur = self._cur[n:]
+        return n
+
+    def read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view, done = memoryview(buf), 0
+        while done < n:
+            got = self.readinto(view[done:])
+            if not got:
+                break
+            done += got
+        return bytes(buf[:done])
+
+    def _next(self) -> None:
+        if self._cur_index >= 0:
+            self._free.put(self._cur_index)  # the helper may refill it now
+            self._cur_index = -1
+        if self._delivered >= self.size:
+            return  # end of file
+        item = self._full.get()
+        if isinstance(item, BaseException):
+            raise item
+        self._cur_index, n = item
+        self._cur = memoryview(self._bufs[self._cur_index])[:n]
+        self._delivered += n
+
+    def __enter__(self) -> _ReadAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._free.put(None)  # unblock the helper if it waits for a buffer
+        self._thread.join()
+        os.close(self._fd)
+
+
+def _ring(count: int) -> list[mmap.mmap]:
+    """Page-aligned read buffers, touched once per thread and reused by every load."""
+    bufs: list[mmap.mmap] | None = getattr(_local, "ring", None)
+    if bufs is None or len(bufs) != count or len(bufs[0]) != CHUNK:
+        bufs = []
+        for _ in range(count):
+            buf = mmap.mmap(-1, CHUNK)
+            buf.write(b"\0" * CHUNK)
+            bufs.append(buf)
+        _local.ring = bufs
+    return bufs
+
+
+def _open_direct(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    return fd
+
+
+def _pread(fd: int, buf: mmap.mmap, offset: int, path: Path) -> int:
+    try:
+        return os.preadv(fd, [buf], offset)
+    except OSError as err:
+        if err.errno != errno.EINVAL:  # O_DIRECT accepted at open but not for this read
+            raise TensorFileError(f"{path} cannot be read ({err})") from err
+    buffered = os.open(path, os.O_RDONLY)
+    try:
+        return os.preadv(buffered, [buf], offset)
+    finally:
+        os.close(buffered)
+
+
+def _checked(header: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The header's entries, each with a dtype, an int shape and two int data offsets."""
+    for name, entry in header.items():
+        ok = isinstance(entry, dict) and isinstance(entry.get("dtype"), str) \
+            and isinstance(entry.get("shape"), list) and all(isinstance(n, int) for n in entry["shape"]) \
+            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2 \
+            and all(isinstance(n, int) for n in entry["data_offsets"])
+        if not ok:
+            raise TensorFileError(f"{path}: header entry {name!r} is malformed")
+    return header
+
+
+def _target(live: torch.Tensor | None, entry: dict[str, Any], name: str, path: Path) -> torch.Tensor:
+    """The live tensor if it fits the entry exactly, else a new one."""
+    if entry.get("dtype") not in _BY_NAME:
+        raise TensorFileError(f"{path}: tensor {name!r} has unknown dtype {entry.get('dtype')!r}")
+    dtype, shape = _BY_NAME[entry["dtype"]], tuple(entry["shape"])
+    begin, end = entry["data_offsets"]
+    if end - begin != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+        raise TensorFileError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {list(shape)}")
+    fits = live is not None and tuple(live.shape) == shape and live.dtype == dtype and live.is_contiguous() \
+        and live.device.type == "cpu"
+    return live if fits and live is not None else torch.empty(shape, dtype=dtype)
+
+
+def _update(digest: TreeHash | None, data: Any) -> None:
+    if digest is not None and len(data):
+        digest.update(data)
+
+
+def _read_bytes(fh: Any, n: int, path: Path) -> bytes:
+    data = fh.read(n) if n else b""
+    if len(data) != n:
+        raise TensorFileError(f"{path} is truncated")
+    return data
+
+
+def _read_exact(fh: Any, dest: memoryview, path: Path, digest: TreeHash | None = None) -> None:
+    """Fill ``dest`` from ``fh``; each piece is handed to ``digest`` as soon as it is read,
+    so hashing runs in the helper threads while the next piece is read."""
     done = 0
     while done < len(dest):
         n = fh.readinto(dest[done : done + CHUNK])
         if not n:
             raise TensorFileError(f"{path} is truncated")
+        _update(digest, dest[done : done + n])
         done += n
 
 
@@ -265,7 +473,7 @@ def hash_file(path: Path) -> dict[str, Any]:
     """The manifest entry of a file on disk: leaves are read one after another and
     hashed in parallel (buffers reused, three in flight)."""
     bufs = getattr(_local, "leaves", None)
-    if bufs is None:
+    if bufs is None or len(bufs[0]) != LEAF:
         bufs = _local.leaves = [bytearray(LEAF) for _ in range(3)]
     futures: list[Future[bytes]] = []
     size = 0

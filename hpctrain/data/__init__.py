@@ -15,28 +15,52 @@ of loaders that follow the same small protocols:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hpctrain.config import Config, ConfigError
 from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
 from hpctrain.data.memory import EvalLoader, MemoryLoader
 from hpctrain.data.sources import ArrayDataset, Batch, DataMissingError, load_dataset
 from hpctrain.env import ClusterEnv
+from hpctrain.section import ConfigError
+
+if TYPE_CHECKING:  # the composed config imports this package: no runtime import back
+    from hpctrain.config import Config
 
 log = logging.getLogger("hpctrain")
 
-__all__ = ["ArrayDataset", "Batch", "DataBundle", "DataMissingError", "EvalLoader", "MemoryLoader",
-           "ShardedEvalLoader", "ShardedLoader", "build_data", "build_val_loader"]
+__all__ = ["ArrayDataset", "Batch", "DataBundle", "DataMissingError", "EvalBatches", "EvalLoader", "MemoryLoader",
+           "ShardedEvalLoader", "ShardedLoader", "TrainLoader", "build_data", "build_val_loader"]
+
+
+class TrainLoader(Protocol):
+    """What the trainer and the checkpointer need of a training loader (MemoryLoader, ShardedLoader)."""
+
+    batches_done: int  # batches of the current epoch already yielded (restored by load_state_dict)
+
+    def set_epoch(self, epoch: int) -> None: ...
+    def __len__(self) -> int: ...  # batches per rank per epoch
+    def __iter__(self) -> Iterator[Batch]: ...  # the rest of the epoch, from batches_done on
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class EvalBatches(Protocol):
+    """What evaluate() needs of an evaluation loader (EvalLoader, ShardedEvalLoader)."""
+
+    def __len__(self) -> int: ...  # this rank's batches
+    def __iter__(self) -> Iterator[Batch]: ...  # this rank's share; no sample on two ranks
+    def template(self) -> Batch: ...  # a one-sample batch, for masked padding steps
 
 
 @dataclass
 class DataBundle:
-    train_loader: Any           # training-loader protocol (see module doc)
-    val_loader: Any | None      # evaluation-loader protocol, or None
+    train_loader: TrainLoader
+    val_loader: EvalBatches | None
     num_classes: int
     input_shape: tuple[int, ...]
     train_size: int
@@ -71,13 +95,17 @@ def eval_batch_size(cfg: Config) -> int:
 
 
 def _shard_root(cfg: Config, env: ClusterEnv) -> Path:
-    """data.path, or its node-local copy when staging is on (data.stage_dir / $SLURM_TMPDIR)."""
+    """The manifests of data.path (tars written elsewhere are indexed on first use), or their
+    node-local copy when staging is on (data.stage_dir / $SLURM_TMPDIR)."""
+    from hpctrain.data.foreign import prepare
     from hpctrain.data.stage import resolve_stage_dir, stage_shards
 
     if not cfg.data.path:
-        raise ConfigError("data.name=shards needs data.path=DIR (made by `hpctrain data shard SOURCE DIR`)")
+        raise ConfigError("data.name=shards needs data.path=DIR (made by `hpctrain data shard SOURCE DIR`, "
+                          "or a directory of WebDataset tars)")
     splits = ["train", cfg.data.val_split]
-    return stage_shards(Path(cfg.data.path), resolve_stage_dir(cfg.data.stage_dir), env, splits)
+    root = prepare(cfg.data.path, splits, env)
+    return stage_shards(root, resolve_stage_dir(cfg.data.stage_dir), env, splits)
 
 
 def _build_shard_data(cfg: Config, env: ClusterEnv, device: torch.device, with_val: bool) -> DataBundle:
@@ -112,7 +140,7 @@ def _shard_val_loader(cfg: Config, env: ClusterEnv, root: Path) -> ShardedEvalLo
                              max_samples=cfg.data.max_val_samples)
 
 
-def build_val_loader(cfg: Config, env: ClusterEnv) -> tuple[Any, int, tuple[int, ...]]:
+def build_val_loader(cfg: Config, env: ClusterEnv) -> tuple[EvalBatches, int, tuple[int, ...]]:
     """(evaluation loader, num_classes, input shape) for any data.name; for ``hpctrain eval``."""
     if cfg.data.name == "shards":
         loader = _shard_val_loader(cfg, env, _shard_root(cfg, env))

@@ -42,7 +42,7 @@ class MemoryLoader:
                  prefetch_factor: int = 2, pin_memory: bool = False, persistent_workers: bool = True) -> None:
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
         self.num_workers = num_workers
-        self.sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank,
+        self.sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank,
                                           shuffle=shuffle, seed=seed, drop_last=False)
         self._loader_kwargs: dict[str, Any] = dict(
             batch_size=batch_size, drop_last=drop_last, collate_fn=pass_batch, num_workers=num_workers,

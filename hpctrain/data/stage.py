@@ -1,8 +1,11 @@
 """Node-local staging: copy the shards once per node to fast local disk before training.
 
 Local rank 0 of each node copies (sha256 computed while copying, checked against the
-manifest) and writes a marker last; the other ranks wait for the marker. A copy whose
-marker matches the source manifest is reused, so a requeued job does not copy again.
+manifest, each file fsynced and renamed durably) and writes a marker last; the other ranks
+wait for the marker, or learn of a failure within a second (:mod:`hpctrain.data.nodeonce`).
+A copy is reused only when its marker names the same source manifests and every staged
+file still has the size, mtime and (recorded at copy time) sha256 the marker lists, so a
+requeued job does not copy again.
 """
 
 from __future__ import annotations
@@ -17,11 +20,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from hpctrain.data.shards import ShardError, atomic_write_bytes, manifest_path
+from hpctrain.data.nodeonce import once_per_node
+from hpctrain.data.shards import ShardError, data_dir, manifest_path, replace_durably, write_atomic
 from hpctrain.env import ClusterEnv
-from hpctrain.errors import RunError
+from hpctrain.errors import RunError, UserError
 
 log = logging.getLogger("hpctrain")
 CHUNK = 8 * 2**20
@@ -29,6 +31,10 @@ CHUNK = 8 * 2**20
 
 class StageError(RunError):
     """Staging failed (copy mismatch, no space, timeout); the message names the file."""
+
+
+class StageDirError(UserError, StageError):
+    """data.stage_dir cannot be used (not a directory, not writable): fix the setting, exit 2."""
 
 
 def resolve_stage_dir(setting: str | None, environ: Mapping[str, str] | None = None) -> Path | None:
@@ -76,38 +82,66 @@ def is_current(source: Path, target: Path, splits: Sequence[str]) -> bool:
         return False
     if staged.get("manifests") != _wanted(source, splits):
         return False
-    return all((target / name).is_file() and (target / name).stat().st_size == size
-               for name, size in staged.get("files", {}).items())
+    files = staged.get("files", {})
+    return bool(files) and all(_unchanged(target / name, rec) for name, rec in files.items())
 
 
-def copy_verified(src: Path, dst: Path, sha256: str | None) -> int:
-    """Copy under a temporary name, hashing on the way; rename only when the hash matches."""
+def _unchanged(path: Path, record: Any) -> bool:
+    """The staged file is the one the marker describes: same size and mtime as when it was
+    copied and verified (a marker from an older version, without them, is not trusted)."""
+    if not isinstance(record, dict) or not path.is_file():
+        return False
+    st = path.stat()
+    return bool(st.st_size == record.get("bytes") and st.st_mtime_ns == record.get("mtime_ns"))
+
+
+def copy_verified(src: Path, dst: Path, sha256: str | None) -> dict[str, Any]:
+    """Copy under a temporary name, hashing the bytes written; fsync; rename (and fsync the
+    directory) only when the hash matches the manifest. Returns what the marker records."""
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     sha = hashlib.sha256()
     size = 0
-    with open(src, "rb") as fin, open(tmp, "wb") as fout:
-        while block := fin.read(CHUNK):
-            sha.update(block)
-            fout.write(block)
-            size += len(block)
+    try:
+        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            while block := fin.read(CHUNK):
+                sha.update(block)
+                fout.write(block)
+                size += len(block)
+            fout.flush()
+            os.fsync(fout.fileno())  # on the local disk before anyone reads it, or a crash loses it
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise StageError(f"cannot copy {src} to {dst}: {err}; hint: check the stage directory, or "
+                         "data.stage_dir=off") from err
     if sha256 is not None and sha.hexdigest() != sha256:
         tmp.unlink(missing_ok=True)
         raise StageError(f"staged copy of {src} has sha256 {sha.hexdigest()[:12]}..., the manifest says "
                          f"{sha256[:12]}...; hint: hpctrain data verify {src.parent}")
-    os.replace(tmp, dst)
-    return size
+    replace_durably(tmp, dst)
+    return {"bytes": size, "sha256": sha.hexdigest(), "mtime_ns": dst.stat().st_mtime_ns}
 
 
-def copy_split(source: Path, target: Path, split: str) -> dict[str, int]:
-    """Copy one split's shards and indexes, then its manifest; returns {file: bytes}."""
-    manifest = json.loads(manifest_path(source, split).read_text())
-    files: dict[str, int] = {}
+def copy_split(source: Path, target: Path, split: str) -> dict[str, dict[str, Any]]:
+    """Copy one split's shards and indexes, then its manifest; returns {file: record}.
+
+    The tars may live apart from the manifest (``data_dir``: tars indexed where they could
+    not be written); the staged manifest then names its own copies."""
+    path = manifest_path(source, split)
+    manifest = json.loads(path.read_text())
+    tars = data_dir(source, manifest)
+    files: dict[str, dict[str, Any]] = {}
     for shard in manifest["shards"]:
-        files[shard["name"]] = copy_verified(source / shard["name"], target / shard["name"], shard["sha256"])
-        index = shard["index"]
-        files[index] = copy_verified(source / index, target / index, shard.get("index_sha256"))
-    name = manifest_path(source, split).name
-    files[name] = copy_verified(source / name, target / name, None)
+        files[shard["name"]] = copy_verified(tars / shard["name"], target / shard["name"], shard["sha256"])
+        index = Path(shard["index"]).name
+        files[index] = copy_verified(source / shard["index"], target / index, shard.get("index_sha256"))
+    if "data_dir" in manifest or any(Path(s["index"]).is_absolute() for s in manifest["shards"]):
+        manifest.pop("data_dir", None)
+        manifest["shards"] = [{**s, "index": Path(s["index"]).name} for s in manifest["shards"]]
+        write_atomic(target / path.name, json.dumps(manifest, indent=1).encode())
+        st = (target / path.name).stat()
+        files[path.name] = {"bytes": st.st_size, "sha256": None, "mtime_ns": st.st_mtime_ns}
+    else:
+        files[path.name] = copy_verified(path, target / path.name, None)
     return files
 
 
@@ -115,7 +149,11 @@ def stage_local(source: Path, target: Path, splits: Sequence[str]) -> dict[str, 
     """The copy itself (local rank 0 only); returns what the marker records."""
     wanted = _wanted(source, splits)
     need = sum(shard["bytes"] for s in wanted for shard in json.loads(manifest_path(source, s).read_text())["shards"])
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StageDirError(f"cannot create the stage directory {target}: {err}; hint: data.stage_dir=PATH on a "
+                         "writable local disk, or data.stage_dir=off") from err
     free = shutil.disk_usage(target).free
     if need > free:
         raise StageError(f"staging {need / 2**30:.2f} GiB into {target}, but only {free / 2**30:.2f} GiB are free; "
@@ -125,46 +163,32 @@ def stage_local(source: Path, target: Path, splits: Sequence[str]) -> dict[str, 
     for split in wanted:
         files.update(copy_split(source, target, split))
     seconds = time.perf_counter() - start
-    total = sum(files.values())
+    total = sum(rec["bytes"] for rec in files.values())
     log.info("staged %d files, %.1f MB, from %s to %s in %.2f s (%.0f MB/s)", len(files), total / 1e6, source,
              target, seconds, total / 1e6 / max(seconds, 1e-9))
     record = {"source": str(source.resolve()), "manifests": wanted, "files": files, "bytes": total,
               "seconds": seconds, "mb_per_s": total / 1e6 / max(seconds, 1e-9)}
-    atomic_write_bytes(_marker(target), json.dumps(record, indent=1).encode())
+    write_atomic(_marker(target), json.dumps(record, indent=1).encode())
     return record
 
 
 def stage_shards(source: str | Path, stage_dir: Path | None, env: ClusterEnv, splits: Sequence[str],
                  timeout_s: float = 3600.0) -> Path:
-    """Return the directory to read shards from: ``source`` itself, or a verified node-local copy."""
+    """Return the directory to read shards from: ``source`` itself, or a verified node-local copy.
+
+    Local rank 0 of each node copies; the node's other ranks wait for the marker. When the
+    copy fails, every rank raises within seconds, the waiting ones with local rank 0's message.
+    """
     source = Path(source)
     if stage_dir is None:
         return source
     target = stage_target(source, stage_dir)
-    error: BaseException | None = None
-    if env.local_rank == 0:
-        try:
-            if is_current(source, target, splits):
-                log.info("reusing the staged shards in %s", target)
-            else:
-                stage_local(source, target, splits)
-        except BaseException as err:  # the waiting ranks must not hang: let them time out on the marker
-            error = err
-    _wait(source, target, splits, env, timeout_s, failed=error is not None)
-    if error is not None:
-        raise error
+
+    def work() -> None:
+        if is_current(source, target, splits):
+            log.info("reusing the staged shards in %s", target)
+        else:
+            stage_local(source, target, splits)
+
+    once_per_node("staging the shards", env, work, lambda: is_current(source, target, splits), timeout_s)
     return target
-
-
-def _wait(source: Path, target: Path, splits: Sequence[str], env: ClusterEnv, timeout_s: float, failed: bool) -> None:
-    """Every rank leaves only once its node's copy is complete (a barrier when there is a group)."""
-    if dist.is_available() and dist.is_initialized() and env.world_size > 1:
-        dist.barrier()
-    if failed:
-        return
-    deadline = time.monotonic() + timeout_s
-    while not is_current(source, target, splits):
-        if time.monotonic() > deadline:
-            raise StageError(f"waited {timeout_s:.0f} s for local rank 0 to stage {source} into {target}; "
-                             "hint: look at local rank 0's log, or set data.stage_dir=off")
-        time.sleep(0.5)

@@ -1,19 +1,50 @@
-"""``hpctrain run -n N``: N local ranks through PyTorch's own torchrun machinery."""
+"""``hpctrain run -n N``: N local ranks through PyTorch's own torchrun machinery.
+
+Signals: torch's elastic agent forwards only the signals in ``--signals-to-handle`` to the
+ranks (by default TERM, INT, HUP and QUIT); any other signal kills the agent with its
+default action. SIGUSR1 (Slurm's usual warning, ``scancel --signal=USR1``) would then end
+the launcher at once (exit 138) while the ranks, which torch starts in their own sessions,
+never see it and keep training unsupervised. So the launcher asks torch to handle every
+preemption signal of the run's config as well (:func:`signals_to_handle`), with a shutdown
+timeout long enough for the ranks' agreed save, and installs the same handler for them
+before torch does (a signal during the rendezvous must not kill it either).
+"""
 
 from __future__ import annotations
 
+import signal
 import sys
+from collections.abc import Iterable
+from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
+# What torch handles by default, plus the usual preemption warnings.
+BASE_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+DEFAULT_SHUTDOWN_TIMEOUT_S = 300
+
+
+def signals_to_handle(extra: Iterable[str] = ()) -> list[str]:
+    """BASE_SIGNALS then the run's ``checkpoint.signals``, each once, in a stable order."""
+    names: list[str] = []
+    for name in (*BASE_SIGNALS, *extra):
+        if name not in names:
+            names.append(name)
+    return names
+
 
 def torchrun_args(nproc: int, subcommand: list[str], *, max_restarts: int = 0, nnodes: str = "1",
-                  rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-                  monitor_interval: float = 0.5) -> list[str]:
+                  rdzv_endpoint: str | None = None, rdzv_id: str | None = None, node_rank: int | None = None,
+                  monitor_interval: float = 0.5, signals: Iterable[str] = (),
+                  shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT_S) -> list[str]:
     """The torchrun command line that runs ``python -m hpctrain SUBCOMMAND...`` on each rank."""
     args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
-            f"--monitor-interval={monitor_interval}"]
+            f"--monitor-interval={monitor_interval}", f"--signals-to-handle={','.join(signals_to_handle(signals))}",
+            f"--shutdown-timeout={shutdown_timeout}"]
+    if node_rank is not None:
+        args.append(f"--node-rank={node_rank}")
     if rdzv_endpoint:
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id or 'hpctrain'}"]
     else:
@@ -21,11 +52,38 @@ def torchrun_args(nproc: int, subcommand: list[str], *, max_restarts: int = 0, n
     return args + ["-m", "hpctrain", *subcommand]
 
 
+def _raise_signal(signum: int, frame: object) -> None:
+    # torch's own agent reacts to exactly this exception: it sends the signal to every
+    # rank, waits up to --shutdown-timeout for them to exit, then re-raises it.
+    raise SignalException(f"hpctrain run received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+
+def install_early_handlers(names: Iterable[str]) -> dict[signal.Signals, Any]:
+    """Cover the window before torch installs its handlers (rendezvous, worker start);
+    returns the handlers they replace."""
+    return {sig: signal.signal(sig, _raise_signal) for sig in (getattr(signal, name) for name in names)}
+
+
 def launch(nproc: int, subcommand: list[str], **options: object) -> int:
-    """Run and wait; returns the exit code (non-zero if any rank failed after all restarts)."""
+    """Run and wait; returns the exit code (non-zero if any rank failed after all restarts).
+
+    A handled signal ends here as ``128 + signal`` once every rank has exited; the caller
+    turns it into 3 when the ranks committed their preemption save (status.json)."""
     argv = torchrun_args(nproc, subcommand, **options)  # type: ignore[arg-type]
+    previous = install_early_handlers(signals_to_handle(options.get("signals", ())))  # type: ignore[arg-type]
+    try:
+        return _run(argv)
+    finally:  # torch leaves its handlers installed; put back what the caller had
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(argv: list[str]) -> int:
     try:
         run(get_args_parser().parse_args(argv))
+    except SignalException as err:
+        print(f"hpctrain run: {err.sigval.name} forwarded to the ranks; all of them have exited", file=sys.stderr)
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
         failures = err.failures
         first = failures[min(failures)] if failures else None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from hpctrain.config import ParallelConfig
 from hpctrain.env import ClusterEnv
+from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.ddp import wrap_ddp
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hpctrain.config import ParallelConfig
+from hpctrain.parallel.config import ParallelConfig
 
 
 def wrap_ddp(model: nn.Module, cfg: ParallelConfig) -> DistributedDataParallel:
@@ -16,6 +17,7 @@ def wrap_ddp(model: nn.Module, cfg: ParallelConfig) -> DistributedDataParallel:
     # torch 2.13 renamed broadcast_buffers to forward_sync_buffers; older releases know only the first.
     sync_name = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
         DistributedDataParallel.__init__).parameters else "broadcast_buffers"
+    sync: dict[str, Any] = {sync_name: cfg.broadcast_buffers}
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -23,7 +25,7 @@ def wrap_ddp(model: nn.Module, cfg: ParallelConfig) -> DistributedDataParallel:
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,
         find_unused_parameters=cfg.find_unused_parameters,
-        **{sync_name: cfg.broadcast_buffers},
+        **sync,
     )
 
 

@@ -1,0 +1,61 @@
+"""The ``checkpoint`` config section and its checks (every message names the key and the value)."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Literal
+
+from hpctrain.checkpoint.policy import SIGNALS
+from hpctrain.section import ConfigError, at_least, opt, positive
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    enabled: bool = opt(True, "Write checkpoints to RUN_DIR/checkpoints/ (committed: files, then manifest, then rename).")
+    every_steps: int | None = opt(None, "Save every N optimizer steps (None = no step schedule).")
+    every_seconds: str | None = opt("3600", "Save every T seconds of wall clock; `auto` = Young-Daly sqrt(2 x measured save cost x mtbf_hours); None = off.", none_text=("none", "null", "off"))
+    mtbf_hours: float = opt(2.0, "Mean time between failures of the whole job, for every_seconds=auto.")
+    at_end: bool = opt(True, "Save when training ends (so a finished run can be exported or extended).")
+    on_best: bool = opt(False, "Also save whenever the tracked validation metric improves (its checkpoint is named in checkpoints/best.json).")
+    mode: Literal["sync", "async"] = opt("sync", "sync: the loop waits for the write; async: a background thread copies the state (before the next optimizer.step) and writes it; one save in flight.")
+    format: Literal["torch", "dcp"] = opt("torch", "torch: rank 0 writes replicated state as one file; dcp: torch.distributed.checkpoint, every rank its shard (reshardable).")
+    local_dir: str | None = opt(None, "Two-tier: write to this node-local directory first, then copy to the run directory in the background.")
+    stagger_seconds: float = opt(0.0, "Two-tier: node k waits k x this before copying to the shared file system.")
+    keep_last: int = opt(3, "Keep the newest K committed checkpoints (>= 1).")
+    keep_every: int | None = opt(None, "Also keep every checkpoint whose step is a multiple of M.")
+    signals: list[str] = opt(["SIGUSR1", "SIGTERM"], "Signals that request save-and-exit (preemption): any of SIGUSR1, SIGUSR2, SIGTERM, SIGINT.")
+    signal_check_every: int = opt(1, "Steps between the all-reduce that agrees on a signal / wall-clock save (multi-rank only).")
+
+    def __post_init__(self) -> None:
+        validate_checkpoint_config(self)
+
+
+def validate_checkpoint_config(c: CheckpointConfig) -> None:
+    """Raises ConfigError on the first bad value; changes nothing."""
+    if c.every_steps is not None and c.every_steps <= 0:
+        raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be > 0 (or None to disable)")
+    _check_every_seconds(c.every_seconds)
+    positive("checkpoint", c, "mtbf_hours")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be >= 1: "
+                          "the newest good checkpoint is never deleted")
+    if c.keep_every is not None and c.keep_every <= 0:
+        raise ConfigError(f"checkpoint.keep_every={c.keep_every} must be > 0 (or None)")
+    at_least("checkpoint", c, "signal_check_every", 1)
+    at_least("checkpoint", c, "stagger_seconds", 0)
+    for name in c.signals:
+        if name not in SIGNALS or not hasattr(signal, name):
+            raise ConfigError(f"checkpoint.signals: {name!r} is not one of {', '.join(SIGNALS)}")
+
+
+def _check_every_seconds(value: str | None) -> None:
+    if value is None or value == "auto":
+        return
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"checkpoint.every_seconds={value!r} must be a number of seconds, "
+                          "auto (Young-Daly) or None") from None
+    if seconds <= 0:
+        raise ConfigError(f"checkpoint.every_seconds={value} must be > 0")

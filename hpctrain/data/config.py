@@ -1,0 +1,71 @@
+"""The ``data`` config section, and how a global batch splits over ranks and micro-steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hpctrain.section import ConfigError, at_least, opt, positive
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    name: str = opt("mnist", "Dataset: mnist | fashion_mnist | synthetic_cifar | synthetic_tiny | shards (tar shards from `hpctrain data shard`, at data.path).")
+    path: str | None = opt(None, "Data location for sources that read files (default: the installed package); for shards: the shard directory.")
+    batch_size: int = opt(64, "Samples per rank per micro-step (global batch = batch_size x world_size x train.grad_accum); with data.global_batch_size set: the largest micro-batch per rank.")
+    global_batch_size: int | None = opt(None, "Samples per optimizer step over all ranks, kept at any world size (elastic resume keeps batch and sample order): per rank global_batch_size / world_size samples (must divide), in the fewest equal micro-batches of at most data.batch_size; train.grad_accum is then derived (leave it at 1).")
+    eval_batch_size: int | None = opt(None, "Samples per rank per validation batch; default: 2 x batch_size.")
+    num_workers: int = opt(0, "DataLoader worker processes per rank (0 = load in the training process).")
+    prefetch_factor: int = opt(2, "Batches each worker keeps ready (only with num_workers > 0).")
+    pin_memory: bool = opt(True, "Pin host memory for faster host-to-GPU copies (ignored on CPU).")
+    persistent_workers: bool = opt(True, "Keep workers alive between epochs (only with num_workers > 0).")
+    max_train_samples: int | None = opt(None, "Use only the first N training samples (quick runs, tests).")
+    max_val_samples: int | None = opt(None, "Use only the first N validation samples.")
+    val_split: Literal["val", "test"] = opt("val", "Which held-out split validates: val (MNIST's 10k validation) or test.")
+    synthetic_size: int = opt(20000, "Samples in a synthetic training set (synthetic_* datasets).")
+    drop_last: bool = opt(True, "Drop the last incomplete training batch so every step has the same global batch (shards: false pads the last step with masked samples instead).")
+    shuffle: Literal["global", "shard", "window", "none"] = opt("shard", "Shards: order within an epoch; global = one permutation of all samples, shard = shards and samples within each shard shuffled, window = shuffled windows of shuffle_window samples (near-sequential reads), none = file order.")
+    shuffle_window: int = opt(1000, "Shards: samples per window for shuffle=window.")
+    stage_dir: str | None = opt(None, "Shards: node-local directory to copy the shards to first (local rank 0 copies, verifies, others wait); default $SLURM_TMPDIR when set; off = read data.path directly.")
+    on_corrupt: Literal["stop", "skip"] = opt("stop", "Shards: a truncated or corrupt sample stops the run (naming shard and key), or is skipped, logged and counted.")
+
+    def __post_init__(self) -> None:
+        positive("data", self, "batch_size", "global_batch_size", "eval_batch_size", "max_train_samples",
+                 "max_val_samples", "prefetch_factor", "synthetic_size", "shuffle_window")
+        at_least("data", self, "num_workers", 0)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's samples are split: ``micro_batch`` per rank per micro-step,
+    ``grad_accum`` micro-steps, ``world_size`` ranks."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+
+def batch_plan(data: DataConfig, grad_accum: int, world_size: int) -> BatchPlan:
+    """The split at this world size. Without ``data.global_batch_size``: as configured. With it:
+    per rank G / world samples, in the fewest equal micro-batches of at most ``data.batch_size``
+    (so the global batch, and with it the sample order per step, is the same at any world size)."""
+    if data.global_batch_size is None:
+        return BatchPlan(data.batch_size, grad_accum, world_size)
+    per_rank, rest = divmod(data.global_batch_size, world_size)
+    if rest or per_rank == 0:
+        raise ConfigError(
+            f"data.global_batch_size ({data.global_batch_size}) is not a multiple of world_size ({world_size}); "
+            f"hint: choose a multiple of every world size the job may run at (e.g. {_suggest(data, world_size)})")
+    accum = -(-per_rank // data.batch_size)
+    while per_rank % accum:  # equal micro-batches: every micro-step has the same size on every rank
+        accum += 1
+    return BatchPlan(per_rank // accum, accum, world_size)
+
+
+def _suggest(data: DataConfig, world_size: int) -> int:
+    g = data.global_batch_size or world_size
+    return max(world_size, round(g / world_size) * world_size)

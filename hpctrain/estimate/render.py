@@ -1,0 +1,98 @@
+"""Plain-text rendering of an estimate: aligned label/value lines and one memory table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_WIDTH = 30  # label column
+
+
+def count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.3g}{unit}"
+    return f"{n:,.0f}"
+
+
+def size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def duration(seconds: float) -> str:
+    for unit, scale in (("days", 86_400), ("h", 3600), ("min", 60), ("s", 1)):
+        if seconds >= scale:
+            return f"{seconds / scale:,.1f} {unit}"
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+def number(x: float) -> str:
+    """Thousands separators for big figures, three significant digits for small ones."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _line(label: str, value: str) -> str:
+    return f"  {label:<{_WIDTH}} {value}"
+
+
+def render(result: dict[str, Any]) -> str:
+    return "\n".join(_header(result) + _compute(result["compute"]) + _memory(result["memory"])
+                     + _checkpoint(result)) + "\n"
+
+
+def _header(r: dict[str, Any]) -> list[str]:
+    par, params = r["parallel"], r["model"]["params"]
+    return [f"model: {count(params)} parameters ({params:,.0f}) from {r['model']['source']}",
+            f"job:   {par['gpus']} GPU{'s' if par['gpus'] > 1 else ''} = "
+            f"dp {par['dp']} x tp {par['tp']} x pp {par['pp']}"
+            + (" (sequence parallel)" if par["sequence_parallel"] else "")]
+
+
+def _compute(c: dict[str, Any] | None) -> list[str]:
+    if c is None:
+        return ["", "compute", _line("training FLOPs", "give --tokens")]
+    lines = ["", "compute", _line("tokens", count(c["tokens"])),
+             _line("training FLOPs (6ND)", f"{c['flops']:.3g}"), _line("PF-days", number(c["pf_days"]))]
+    if c["flops_with_attention"] is not None:
+        lines.append(_line("FLOPs incl. attention", f"{c['flops_with_attention']:.3g}"))
+    if c["flops_counted"] is not None:
+        lines.append(_line("FLOPs counted (meta forward)", f"{c['flops_counted']:.3g} (used for the wall time)"))
+    peak = f"{c['gpu']} {c['precision']} {c['peak_tflops_per_gpu']:,.1f} TFLOP/s dense"
+    return lines + [_line("peak per GPU", peak),
+                    _line(f"wall time at {c['mfu']:.0%} MFU", f"{duration(c['wall_seconds'])} "
+                          f"({number(c['gpu_hours'])} GPU-hours)")]
+
+
+def _memory(m: dict[str, Any]) -> list[str]:
+    rows = m["strategies"]
+    peak = max(row["total"] for row in rows.values())
+    unit, scale = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6)) if peak >= s), ("KB", 1e3))
+    cols = ("weights", "grads", "optimizer", "gathered", "activations", "total")
+    lines = ["", f"memory per GPU ({unit}): {m['layout']}, micro-batch {m['micro_batch']}, "
+                 f"activation checkpointing {m['activation_checkpointing']}",
+             f"  {'strategy':<9}" + "".join(f"{c:>13}" for c in cols) + f"{'fits ' + size(m['gpu_memory_bytes']):>16}"]
+    for name, row in rows.items():
+        cells = "".join(f"{'n/a' if row[c] is None else f'{row[c] / scale:,.1f}':>13}" for c in cols)
+        mark = "*" if name == m["selected"] else " "
+        lines.append(f"{mark} {name:<9}{cells}{'yes' if row['fits'] else 'no':>16}")
+    fit = m["smallest_fit"] or "none: add GPUs, raise --tp/--pp, or checkpoint activations"
+    lines += [_line("activations", m["activations_method"]), _line("smallest strategy that fits", fit)]
+    if m["selected"]:
+        row = rows[m["selected"]]
+        verdict = "fits" if row["fits"] else "does NOT fit"
+        lines.append(_line(f"--strategy {m['selected']}", f"{size(row['total'])} per GPU: {verdict}"))
+    return lines
+
+
+def _checkpoint(r: dict[str, Any]) -> list[str]:
+    ck, rel = r["checkpoint"], r["reliability"]
+    return ["", "checkpointing",
+            _line("checkpoint size", f"{size(ck['bytes'])} ({ck['bytes_per_param']:g} B/param, no gradients)"),
+            _line(f"write time at {ck['bandwidth_bytes_per_s'] / 1e9:g} GB/s", duration(ck["write_seconds"])),
+            _line("MTBF per GPU", f"{rel['gpu_mtbf_hours']:,.0f} h"),
+            _line(f"cluster MTBF ({rel['gpus']} GPU{'s' if rel['gpus'] > 1 else ''})",
+                  duration(rel["cluster_mtbf_hours"] * 3600)),
+            _line("Young-Daly interval", f"{duration(rel['young_daly_seconds'])} = sqrt(2 x save x MTBF)"),
+            _line("expected overhead", f"{rel['overhead_fraction']:.1%} of wall time (saving + lost work)")]

@@ -1,0 +1,218 @@
+"""``hpctrain run | slurm | doctor``: the launchers' subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpctrain.errors import UserError
+from hpctrain.launch.local import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``run``, ``slurm`` (with ``status`` / ``cancel``) and ``doctor``."""
+    _add_run(sub)
+    _add_slurm(sub)
+    _add_doctor(sub)
+
+
+# ---------------------------------------------------------------- run
+
+
+def _add_run(sub: Any) -> None:
+    p = sub.add_parser("run", help="N local ranks via torchrun: hpctrain run -n 2 [train|eval] [CONFIG] [k=v]")
+    p.add_argument("-n", "--nproc", type=int, required=True, help="processes (ranks) on this node")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun elastic restarts after a failure")
+    p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for elastic jobs")
+    p.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous; c10d assigns it otherwise)")
+    p.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous (multi-node)")
+    p.add_argument("--rdzv-id", help="job id shared by all nodes of the rendezvous")
+    p.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="seconds the ranks get to save and exit after a forwarded signal before SIGKILL")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="[train|eval] [CONFIG] [key=value ...] [--weights PATH]")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from hpctrain.checkpoint.preempt import launcher_exit_code
+    from hpctrain.cli import _config, build_parser
+    from hpctrain.launch.local import launch
+
+    rest = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
+    if not rest or rest[0] not in ("train", "eval"):
+        rest = ["train", *rest]
+    cfg = _config(build_parser().parse_args(rest))  # fail here, once, not in N ranks
+    started = time.time()
+    code = launch(args.nproc, rest, max_restarts=args.max_restarts, nnodes=args.nnodes, node_rank=args.node_rank,
+                  rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, signals=cfg.checkpoint.signals,
+                  shutdown_timeout=args.shutdown_timeout)
+    return launcher_exit_code(cfg, code, started) if rest[0] == "train" else code
+
+
+# ---------------------------------------------------------------- slurm
+
+
+def _add_slurm(sub: Any) -> None:
+    p = sub.add_parser("slurm", help="write (and submit) an sbatch script; `slurm status|cancel RUN_DIR`",
+                       description="hpctrain slurm [CONFIG] [key=value ...] --nodes N --time T [options] "
+                                   "[--dry-run | --submit];  hpctrain slurm status|cancel RUN_DIR")
+    p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value] | status RUN_DIR | cancel RUN_DIR")
+    p.add_argument("--nodes", type=int, help="nodes (one srun task each, starting that node's ranks)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node = ranks per node (0: CPU nodes)")
+    p.add_argument("--nproc-per-node", type=int, help="ranks per node on CPU nodes (default 1)")
+    p.add_argument("--gres", help="instead of --gpus-per-node, e.g. gpu:a100:4 (must agree with it if both)")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs per node's task; OMP_NUM_THREADS = this / ranks per node")
+    p.add_argument("--mem", help="memory per node, e.g. 200G")
+    p.add_argument("--time", help="wall-clock limit, HH:MM:SS (or any Slurm time format)")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--qos")
+    p.add_argument("--job-name", help="default hpctrain-<run dir name>")
+    p.add_argument("--container", help="image: a .sif for apptainer, an image URI or .sqsh for pyxis")
+    p.add_argument("--container-runtime", choices=["apptainer", "pyxis"])
+    p.add_argument("--mount", action="append", default=[], help="extra host path for the container (repeatable)")
+    p.add_argument("--setup", help="shell lines run first, e.g. 'module load cuda; source venv/bin/activate'")
+    p.add_argument("--max-requeues", type=int, default=3, help="requeue a preempted run at most K times")
+    p.add_argument("--signal-lead", type=int, help="seconds before the time limit for USR1 (default: measured "
+                                                     "save time x 2 + 90, else 300)")
+    p.add_argument("--python", help="interpreter in the job (default: this one; python3 in a container)")
+    p.add_argument("--rdzv-port", type=int, help="c10d rendezvous port (default: 20000 + job id mod 20000)")
+    p.add_argument("--env", action="append", default=[], help="NAME=VALUE exported in the job (repeatable); "
+                                                              "NCCL_*/GLOO_* of this shell are passed anyway")
+    p.add_argument("--json", action="store_true", help="status: print JSON")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the script, write nothing")
+    mode.add_argument("--submit", action="store_true", help="write the script, sbatch it, record the job id")
+    p.set_defaults(func=cmd_slurm)
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    action = args.config_args[:1]
+    if action in (["status"], ["cancel"]):
+        if len(args.config_args) != 2:
+            raise UserError(f"hpctrain slurm {action[0]} takes one RUN_DIR, got {args.config_args[1:]}")
+        return _slurm_status(Path(args.config_args[1]), args.json) if action == ["status"] else \
+            _slurm_cancel(Path(args.config_args[1]))
+    return _slurm_write(args)
+
+
+def _slurm_write(args: argparse.Namespace) -> int:
+    from hpctrain.launch import slurm
+
+    missing = [f"--{name}" for name in ("nodes", "time") if getattr(args, name) is None]
+    if missing:
+        raise UserError(f"hpctrain slurm needs {' and '.join(missing)}; e.g. --nodes 2 --time 04:00:00")
+    opts = slurm.SlurmOptions(
+        nodes=args.nodes, time=args.time, gpus_per_node=args.gpus_per_node, nproc_per_node=args.nproc_per_node,
+        gres=args.gres, cpus_per_task=args.cpus_per_task, mem=args.mem, partition=args.partition,
+        account=args.account, qos=args.qos, job_name=args.job_name, container=args.container,
+        container_runtime=args.container_runtime, mounts=tuple(args.mount), setup=args.setup,
+        max_requeues=args.max_requeues, signal_lead_s=args.signal_lead, python=args.python,
+        rdzv_port=args.rdzv_port, env=tuple(args.env))
+    plan = slurm.plan_job(opts, args.config_args)
+    text = slurm.render(plan)
+    if args.dry_run:
+        sys.stdout.write(text)
+        return 0
+    script = slurm.write_script(plan, text)
+    if not args.submit:
+        print(f"wrote {script}; submit with: sbatch {script}  (or hpctrain slurm ... --submit)")
+        return 0
+    from hpctrain.launch.slurm_jobs import submit
+
+    job_id = submit(script, plan.run_dir, opts.nodes)
+    print(f"submitted job {job_id}: {script}")
+    print(f"logs: {plan.run_dir}/slurm-{job_id}.out; status: hpctrain slurm status {plan.run_dir}")
+    return 0
+
+
+def _slurm_status(run_dir: Path, as_json: bool) -> int:
+    from hpctrain.launch.slurm_jobs import status
+
+    info = status(run_dir)
+    if as_json:
+        print(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            print(f"{key:<16} {', '.join(value) if isinstance(value, list) else value}")
+    return 0
+
+
+def _slurm_cancel(run_dir: Path) -> int:
+    from hpctrain.launch.slurm_jobs import cancel
+
+    print(f"cancelled job {cancel(run_dir)}")
+    return 0
+
+
+# ---------------------------------------------------------------- doctor
+
+
+def _add_doctor(sub: Any) -> None:
+    p = sub.add_parser("doctor", help="what a job sees on this node (or every node) and common mistakes")
+    p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value]", help="to check run.dir and data.path")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--nproc", type=int, help="ranks per node you plan (for the thread check)")
+    p.add_argument("--all-nodes", action="store_true",
+                   help="inside an allocation: run on every node via srun and summarise per node")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.all_nodes:
+        return _doctor_all_nodes(args)
+    from hpctrain.launch.doctor import render_text, report
+
+    run_dir, data_dir, staged = _doctor_paths(args.config_args)
+    rep = report(run_dir=run_dir, data_dir=data_dir, staged=staged, local_ranks=args.nproc)
+    sys.stdout.write(json.dumps(rep) + "\n" if args.json else render_text(rep))
+    return 0
+
+
+def _doctor_paths(config_args: list[str]) -> tuple[Path | None, Path | None, bool]:
+    if not config_args:
+        return None, None, False
+    from hpctrain.cli import _split_config_args
+    from hpctrain.config import load_config
+    from hpctrain.rundir import resolve_run_dir
+
+    path, overrides = _split_config_args(config_args)
+    cfg = load_config(path, overrides)
+    stage = cfg.data.stage_dir
+    return (resolve_run_dir(cfg.run.dir, cfg), Path(cfg.data.path) if cfg.data.path else None,
+            stage is not None and stage != "off")
+
+
+def _doctor_all_nodes(args: argparse.Namespace) -> int:
+    from hpctrain.launch.doctor import summarise
+
+    if "SLURM_JOB_ID" not in os.environ:
+        raise UserError("--all-nodes runs srun inside an allocation; hint: salloc -N 2, or in a batch script")
+    cmd = ["srun", f"--nodes={os.environ.get('SLURM_NNODES', '1')}", "--ntasks-per-node=1",
+           sys.executable, "-m", "hpctrain", "doctor", "--json", *args.config_args]
+    if args.nproc:
+        cmd.append(f"--nproc={args.nproc}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    reports = _json_objects(proc.stdout)
+    if proc.returncode != 0 or not reports:
+        raise UserError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    sys.stdout.write(json.dumps(reports) + "\n" if args.json else summarise(reports))
+    return 0
+
+
+def _json_objects(text: str) -> list[dict[str, Any]]:
+    """One JSON object per line (one per node), ignoring anything else a task printed."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                continue
+    return found

@@ -1,0 +1,347 @@
+"""``hpctrain slurm``: write (and submit) one sbatch script for any number of nodes.
+
+The script is rendered from validated options and a validated config into the run
+directory, so the job, its logs (``--open-mode=append``: a requeue keeps them), its job id
+and its checkpoints live together. The chain it sets up on preemption:
+
+1. Slurm sends USR1 to the batch shell only (``--signal=B:USR1@T``, or
+   ``scancel --signal=USR1 --batch``);
+2. the shell's trap forwards it to the job step (srun passes it to every node's task);
+3. each node's ``hpctrain run`` hands it to its ranks through torch's elastic agent;
+4. the ranks agree at the next step, save one committed checkpoint, and exit 3;
+5. the shell, on the host, calls ``scontrol requeue`` only for exit 3 and fewer than K
+   restarts; any other failure ends the job. The requeued job resumes (resume=auto).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpctrain.errors import UserError
+from hpctrain.launch.container import Container, Runtime, unique_paths
+
+SCRIPT_NAME = "hpctrain.sbatch"
+JOBS_FILE = "slurm-jobs.json"
+DEFAULT_SIGNAL_LEAD_S = 300  # when no checkpoint of this run was timed yet
+SIGNAL_MARGIN_S = 90         # Slurm may deliver the warning ~30 s late; plus a step and the exit
+PASS_THROUGH = ("NCCL_", "GLOO_", "TORCH_NCCL_")
+_WORD = re.compile(r"^[\w.,:+=@/-]+$")
+
+
+class SlurmOptionError(UserError):
+    """An sbatch option is unknown, malformed or contradicts another; the message has the numbers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmOptions:
+    nodes: int
+    time: str
+    gpus_per_node: int | None = None
+    nproc_per_node: int | None = None
+    gres: str | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    job_name: str | None = None
+    container: str | None = None
+    container_runtime: Runtime | None = None
+    mounts: tuple[str, ...] = ()
+    setup: str | None = None
+    max_requeues: int = 3
+    signal_lead_s: int | None = None
+    python: str | None = None
+    rdzv_port: int | None = None
+    env: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobPlan:
+    """Everything the script needs, after validation: numbers agree, paths are absolute."""
+
+    opts: SlurmOptions
+    gpus: int
+    nproc: int
+    time_s: int
+    signal_lead_s: int
+    run_dir: Path
+    workdir: Path
+    config_args: tuple[str, ...]
+    python: str
+    exports: dict[str, str] = field(default_factory=dict)
+    container: Container | None = None
+
+
+# ---------------------------------------------------------------- validation
+
+
+def parse_time(text: str) -> int:
+    """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in seconds."""
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not match:
+        raise SlurmOptionError(f"--time {text!r} is not a Slurm time; hint: HH:MM:SS, MM, or D-HH:MM:SS")
+    days, a, b, c = (int(g) if g is not None else None for g in match.groups())
+    if days is not None:  # D-H[:M[:S]]
+        seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)  # type: ignore[operator]
+    elif c is not None:   # H:M:S
+        seconds = a * 3600 + b * 60 + c  # type: ignore[operator]
+    elif b is not None:   # M:S
+        seconds = a * 60 + b  # type: ignore[operator]
+    else:                 # M
+        seconds = a * 60  # type: ignore[operator]
+    if seconds <= 0:
+        raise SlurmOptionError(f"--time {text!r} is zero; hint: give the job's wall-clock limit, e.g. 04:00:00")
+    return seconds
+
+
+def gres_gpus(gres: str) -> int | None:
+    """GPUs per node in a ``--gres`` value (``gpu:4``, ``gpu:a100:4``, ``gpu``); None without gpu."""
+    for item in gres.split(","):
+        parts = item.split(":")
+        if parts[0] == "gpu":
+            count = parts[-1] if len(parts) > 1 else "1"
+            if not count.isdigit():
+                count = "1"  # gpu:a100 = one of that type
+            return int(count)
+    return None
+
+
+def _check_words(opts: SlurmOptions) -> None:
+    for name in ("partition", "account", "qos", "job_name", "gres", "mem"):
+        value = getattr(opts, name)
+        if value is not None and not _WORD.match(value):
+            raise SlurmOptionError(f"--{name.replace('_', '-')} {value!r} has characters Slurm does not accept here")
+    if opts.mem is not None and not re.fullmatch(r"\d+[KMGT]?", opts.mem):
+        raise SlurmOptionError(f"--mem {opts.mem!r} must be a number with an optional unit K, M, G or T (e.g. 64G)")
+    for item in opts.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item):
+            raise SlurmOptionError(f"--env {item!r} must look like NAME=VALUE")
+
+
+def _gpus_and_procs(opts: SlurmOptions) -> tuple[int, int]:
+    gpus = opts.gpus_per_node
+    from_gres = gres_gpus(opts.gres) if opts.gres else None
+    if gpus is not None and from_gres is not None and gpus != from_gres:
+        raise SlurmOptionError(f"--gpus-per-node {gpus} contradicts --gres {opts.gres} ({from_gres} GPUs per node); "
+                               "hint: give one of them")
+    gpus = gpus if gpus is not None else (from_gres or 0)
+    if gpus < 0:
+        raise SlurmOptionError(f"--gpus-per-node {gpus} must be >= 0")
+    nproc = opts.nproc_per_node
+    if gpus and nproc is not None and nproc != gpus:
+        raise SlurmOptionError(f"--nproc-per-node {nproc} differs from --gpus-per-node {gpus}: one rank per GPU; "
+                               "hint: leave --nproc-per-node out on GPU nodes")
+    nproc = gpus or nproc or 1
+    if nproc < 1:
+        raise SlurmOptionError(f"--nproc-per-node {nproc} must be >= 1")
+    if opts.cpus_per_task is not None and opts.cpus_per_task < nproc:
+        raise SlurmOptionError(f"--cpus-per-task {opts.cpus_per_task} is less than the {nproc} processes per node; "
+                               "hint: at least one CPU per rank")
+    return gpus, nproc
+
+
+def _check_counts(opts: SlurmOptions) -> None:
+    if opts.nodes < 1:
+        raise SlurmOptionError(f"--nodes {opts.nodes} must be >= 1")
+    if opts.max_requeues < 0:
+        raise SlurmOptionError(f"--max-requeues {opts.max_requeues} must be >= 0")
+    if opts.rdzv_port is not None and not 1024 <= opts.rdzv_port <= 65535:
+        raise SlurmOptionError(f"--rdzv-port {opts.rdzv_port} must be within 1024..65535")
+    if bool(opts.container) != bool(opts.container_runtime):
+        raise SlurmOptionError("--container and --container-runtime go together "
+                               f"(got image={opts.container!r}, runtime={opts.container_runtime!r})")
+
+
+def signal_lead(opts: SlurmOptions, time_s: int, run_dir: Path) -> int:
+    """Seconds before the time limit for the USR1 warning: given, or measured save + margin."""
+    lead = opts.signal_lead_s
+    if lead is None:
+        measured = measured_save_s(run_dir)
+        lead = DEFAULT_SIGNAL_LEAD_S if measured is None else math.ceil(2 * measured) + SIGNAL_MARGIN_S
+    if lead < 1 or lead > 65535:
+        raise SlurmOptionError(f"--signal-lead {lead} s must be within 1..65535 (Slurm's limit)")
+    if lead >= time_s:
+        raise SlurmOptionError(f"the preemption warning {lead} s before the end does not fit in --time {time_s} s; "
+                               "hint: a longer --time or a shorter --signal-lead")
+    return lead
+
+
+def measured_save_s(run_dir: Path) -> float | None:
+    """The save time recorded in the newest committed checkpoint's manifest, if any."""
+    from hpctrain.checkpoint import layout
+
+    found = layout.committed(layout.checkpoints_dir(run_dir))
+    if not found:
+        return None
+    try:
+        manifest = layout.read_manifest(found[-1][1])
+    except Exception:  # noqa: BLE001 - an unreadable manifest just means "not measured"
+        return None
+    for key in ("save_s", "total_s", "save_seconds"):
+        if isinstance(manifest.get(key), (int, float)):
+            return float(manifest[key])
+    return None
+
+
+def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, str] | None = None,
+             workdir: Path | None = None) -> JobPlan:
+    """Validate options and config together; nothing is written before this returns."""
+    from hpctrain.cli import _split_config_args
+    from hpctrain.config import check_world, load_config
+    from hpctrain.rundir import check_run_dir, resolve_run_dir
+
+    environ = os.environ if environ is None else environ
+    workdir = (workdir or Path.cwd()).resolve()
+    _check_counts(opts)
+    _check_words(opts)
+    gpus, nproc = _gpus_and_procs(opts)
+    time_s = parse_time(opts.time)
+    path, overrides = _split_config_args(config_args)
+    cfg = load_config(path, overrides)
+    check_world(cfg, opts.nodes * nproc)
+    run_dir = (workdir / resolve_run_dir(cfg.run.dir, cfg)).resolve()
+    check_run_dir(run_dir, cfg.run.overwrite, cfg.resume)
+    args = _absolute_config_args(path, overrides, workdir, run_dir)
+    container = _container(opts, gpus, run_dir, workdir, cfg.data.path, path)
+    python = opts.python or ("python3" if container else sys.executable)
+    exports = {k: v for k, v in sorted(environ.items()) if k.startswith(PASS_THROUGH)}
+    exports.update(item.split("=", 1) for item in opts.env)  # type: ignore[misc]
+    return JobPlan(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
+                   run_dir=run_dir, workdir=workdir, config_args=args, python=python, exports=exports,
+                   container=container)
+
+
+def _absolute_config_args(path: str | None, overrides: list[str], workdir: Path, run_dir: Path) -> tuple[str, ...]:
+    """The job sees the same files from any directory: the config path and run.dir absolute."""
+    args = [str((workdir / path).resolve())] if path else []
+    args += [item for item in overrides if not item.startswith("run.dir=")]
+    return (*args, f"run.dir={run_dir}")
+
+
+def _container(opts: SlurmOptions, gpus: int, run_dir: Path, workdir: Path, data_path: str | None,
+               config_path: str | None) -> Container | None:
+    if not opts.container or not opts.container_runtime:
+        return None
+    paths = [str(run_dir), str(workdir)]
+    if data_path:
+        paths.append(str((workdir / data_path).resolve()))
+    if config_path:
+        paths.append(str((workdir / config_path).resolve().parent))
+    paths += [str(Path(m).resolve()) for m in opts.mounts]
+    return Container(image=opts.container, runtime=opts.container_runtime, mounts=unique_paths(paths),
+                     workdir=str(workdir), gpus=gpus > 0)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render(plan: JobPlan) -> str:
+    """The whole sbatch script: header, environment, the step, the trap and the requeue rule."""
+    return "\n".join([*_header(plan), "", *_preamble(plan), "", *_step(plan), "", *_outcome(plan), ""])
+
+
+def _header(plan: JobPlan) -> list[str]:
+    o, run = plan.opts, plan.run_dir
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={o.job_name or 'hpctrain-' + run.name}",
+             f"#SBATCH --nodes={o.nodes}", "#SBATCH --ntasks-per-node=1"]
+    if o.gres:
+        lines.append(f"#SBATCH --gres={o.gres}")
+    elif plan.gpus:
+        lines.append(f"#SBATCH --gpus-per-node={plan.gpus}")
+    lines += [f"#SBATCH --{name.replace('_', '-')}={getattr(o, name)}"
+              for name in ("cpus_per_task", "mem", "partition", "account", "qos") if getattr(o, name) is not None]
+    return lines + [f"#SBATCH --time={o.time}", f"#SBATCH --signal=B:USR1@{plan.signal_lead_s}",
+                    "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --chdir={plan.workdir}",
+                    f"#SBATCH --output={run / 'slurm-%j.out'}", f"#SBATCH --error={run / 'slurm-%j.err'}"]
+
+
+def _preamble(plan: JobPlan) -> list[str]:
+    lines = ["# Written by `hpctrain slurm`; `hpctrain slurm status RUN_DIR` reports on the job.",
+             "# On USR1 (the time-limit warning, or `scancel --signal=USR1 --batch`) the trap below forwards",
+             "# it to the job step; the ranks save and exit 3; only then, and only while fewer than",
+             "# MAX_REQUEUES requeues happened, this shell (on the host) runs `scontrol requeue`.",
+             "set -u", f"RUN_DIR={shlex.quote(str(plan.run_dir))}", f"MAX_REQUEUES={plan.opts.max_requeues}",
+             'echo "hpctrain: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST'
+             ' at $(date -u +%FT%TZ)"']
+    if plan.opts.setup:
+        lines += ["# set-up (--setup)", plan.opts.setup]
+    if plan.opts.cpus_per_task:
+        lines.append(f"export OMP_NUM_THREADS={max(1, plan.opts.cpus_per_task // plan.nproc)}  # CPUs per rank")
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in plan.exports.items()]
+    port = plan.opts.rdzv_port
+    return lines + ['HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+                    f"RDZV_PORT={port}" if port else
+                    "RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))  # per job: two jobs on one node never collide"]
+
+
+def _step(plan: JobPlan) -> list[str]:
+    o, c = plan.opts, plan.container
+    srun = ["srun", f"--nodes={o.nodes}", "--ntasks-per-node=1", *(c.srun_options() if c else [])]
+    prefix = c.task_prefix() if c else []
+    launcher = [shlex.quote(plan.python), "-m", "hpctrain", "run", f"--nnodes={o.nodes}", f"--nproc={plan.nproc}",
+                '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
+                f"--shutdown-timeout={plan.signal_lead_s}"]
+    parts = [" ".join(srun), *([" ".join(prefix)] if prefix else []), " ".join(launcher),
+             " ".join(["train", *map(shlex.quote, plan.config_args)]) + " &"]
+    return ["interrupted=0",
+            'forward() { interrupted=1; echo "hpctrain: USR1 at $(date -u +%FT%TZ), forwarding to the job step";'
+            ' kill -USR1 "$step" 2>/dev/null; }',
+            "trap forward USR1", "started=$(date +%s)",
+            " \\\n  ".join(parts), "step=$!",
+            "# bash runs a trap only once `wait` returns: wait again until the step itself has ended",
+            'wait "$step"; code=$?',
+            'while [ "$interrupted" = 1 ]; do interrupted=0; wait "$step"; code=$?; done']
+
+
+def _outcome(plan: JobPlan) -> list[str]:
+    return ['status="$RUN_DIR/status.json"; restarts=${SLURM_RESTART_COUNT:-0}; preempted=0',
+            'if [ "$code" -eq 3 ]; then preempted=1',
+            'elif [ "$code" -ne 0 ] && [ "$(stat -c %Y "$status" 2>/dev/null || echo 0)" -ge "$started" ] &&'
+            ' grep -Eq \'"outcome": *"preempted"\' "$status"; then preempted=1; fi',
+            'echo "hpctrain: job step exited with $code (preempted=$preempted, restarts=$restarts)"',
+            'if [ "$preempted" = 1 ] && [ "$restarts" -lt "$MAX_REQUEUES" ]; then',
+            '  echo "hpctrain: requeue $((restarts + 1)) of $MAX_REQUEUES"; scontrol requeue "$SLURM_JOB_ID"',
+            'elif [ "$preempted" = 1 ]; then',
+            '  echo "hpctrain: preempted after $restarts requeues (--max-requeues $MAX_REQUEUES): not requeued"',
+            "fi", 'exit "$code"']
+
+
+# ---------------------------------------------------------------- files in the run directory
+
+
+def write_script(plan: JobPlan, text: str) -> Path:
+    from hpctrain.rundir import atomic_write_text
+
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    path = plan.run_dir / SCRIPT_NAME
+    atomic_write_text(path, text)
+    path.chmod(0o755)
+    return path
+
+
+def read_jobs(run_dir: Path) -> list[dict[str, Any]]:
+    import json
+
+    try:
+        return list(json.loads((run_dir / JOBS_FILE).read_text())["jobs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def record_job(run_dir: Path, job_id: str, script: Path, nodes: int) -> None:
+    import time
+
+    from hpctrain.rundir import write_json
+
+    jobs = [*read_jobs(run_dir), {"job_id": job_id, "script": str(script), "nodes": nodes,
+                                  "submitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
+    write_json(run_dir / JOBS_FILE, {"jobs": jobs})

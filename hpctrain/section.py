@@ -1,0 +1,59 @@
+"""How a config section is declared; the one module every ``*/config.py`` imports.
+
+A section is a ``@dataclass(frozen=True, kw_only=True)`` next to its component
+(``data/config.py``, ``checkpoint/config.py``, ...): read-only once built, no positional
+mix-ups. Each field is documented once, in :func:`opt`'s help text, which is also the
+generated reference (``hpctrain config doc``). A section checks its own values in
+``__post_init__`` and only raises: nothing is rewritten after construction. This module
+imports nothing from hpctrain but the error hierarchy, so a component can import its
+section without an import cycle through :mod:`hpctrain.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import field
+from typing import Any, TypeVar
+
+from hpctrain.errors import UserError
+
+T = TypeVar("T")
+
+
+class ConfigError(UserError):
+    """A configuration value or key is wrong; the message says which and how to fix it."""
+
+
+def opt(default: Any, help: str, *, none_text: tuple[str, ...] = ()) -> Any:
+    """A config field with its documentation. ``none_text``: words that mean None when given as
+    text (e.g. ``off``), turned into None while the value is read, never afterwards."""
+    metadata = {"help": help, "none_text": none_text}
+    if isinstance(default, (list, dict)):
+        factory: Callable[[], Any] = lambda: type(default)(default)  # noqa: E731 - a fresh copy per instance
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def sub(cls: type[T]) -> T:
+    """A nested section field: ``data: DataConfig = sub(DataConfig)``."""
+    return field(default_factory=cls)
+
+
+def positive(section_name: str, obj: Any, *names: str) -> None:
+    """Each named field is None or > 0; the message names ``section.key`` and the value."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{section_name}.{name}={value!r} must be > 0")
+
+
+def at_least(section_name: str, obj: Any, name: str, low: float) -> None:
+    value = getattr(obj, name)
+    if value < low:
+        raise ConfigError(f"{section_name}.{name}={value!r} must be >= {low}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config (or section) as plain dicts and lists, e.g. for YAML or a checkpoint."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,38 @@
+"""The reference trainer's config sections: ``train`` (the loop) and ``run`` (its directory).
+
+They live beside :mod:`hpctrain.train` rather than in it, because the trainer imports the
+composed :class:`hpctrain.config.Config` and the composition imports these sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hpctrain.section import opt, positive
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    epochs: int = opt(1, "Passes over the training data.")
+    max_steps: int | None = opt(None, "Stop after this many optimizer steps (overrides epochs when reached first).")
+    grad_accum: int = opt(1, "Micro-steps per optimizer step; inner micro-steps skip the gradient all-reduce. Every optimizer step takes exactly grad_accum micro-batches; after a resume the count starts where the loader resumes, and an epoch's last < grad_accum micro-batches are dropped. Derived when data.global_batch_size is set.")
+    clip_grad_norm: float | None = opt(None, "Clip the global gradient norm to this value (None = off).")
+    log_every: int = opt(20, "Write a metrics.jsonl row every N optimizer steps.")
+    eval_every_steps: int | None = opt(None, "Validate every N optimizer steps (besides each epoch end).")
+    eval_each_epoch: bool = opt(True, "Validate at the end of every epoch.")
+    best_metric: str = opt("val_accuracy", "Validation metric whose best value is tracked (its checkpoint marked): val_accuracy, val_loss, val_top5_accuracy, ...")
+    best_mode: Literal["auto", "max", "min"] = opt("auto", "Is higher better? auto: min for *loss / *perplexity, else max.")
+    compile: bool = opt(False, "Wrap the model in torch.compile (opt-in: compilation takes time).")
+    deterministic: bool = opt(False, "Deterministic kernels (torch.use_deterministic_algorithms); slower.")
+    progress: bool = opt(True, "Show a progress bar over steps on rank 0 (only when the console is a terminal or forced).")
+    threads: int | None = opt(None, "torch intra-op threads per rank; default: cores / local ranks.")
+
+    def __post_init__(self) -> None:
+        positive("train", self, "epochs", "max_steps", "grad_accum", "clip_grad_norm", "log_every",
+                 "eval_every_steps", "threads")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    dir: str = opt("runs/{data.name}-{model.name}", "Run directory (may name config keys in braces): config.yaml, metrics.jsonl, model.pt, summary.json.")
+    overwrite: bool = opt(False, "Allow writing into a run directory that already holds a finished run.")

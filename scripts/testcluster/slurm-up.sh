@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# A real single-node Slurm on this machine for the tests (Debian/Ubuntu, root, no systemd or cgroups
+# needed): Debian's slurmctld + slurmd + a private munged, each with its own config under
+# $HPCTRAIN_SLURM_LAB/one (default /tmp/hpctrain-slurm/one), on ports 6837/6838 so that it does not
+# clash with a Slurm already on the machine. Idempotent: returns at once when it is already up.
+# Last line of output: SLURM_CONF=PATH (export it to use the cluster). Stop with slurm-down.sh.
+set -euo pipefail
+. "$(dirname "$0")/lib.sh"
+need_root
+install_slurm
+L=$LAB/one; export SLURM_CONF=$L/slurm.conf
+NODE=$(hostname -s)
+mkdir -p "$L/state/ctld" "$L/log" "$L/run"
+HW=$(slurmd -C | sed -nE '1s/^NodeName=[^ ]+ (.*) RealMemory=.*/\1/p')
+MEM=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) * 9 / 10240 ))   # 90% of RAM, MiB
+CONF="$(slurm_conf "$L" "$NODE" 127.0.0.1 6837 6838)
+NodeName=$NODE NodeAddr=127.0.0.1 $HW RealMemory=$MEM State=UNKNOWN
+PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP"
+if [ "$(cat "$SLURM_CONF" 2>/dev/null)" = "$CONF" ] && alive munged "$L/munge/munged.pid" \
+   && alive slurmctld "$L/run/slurmctld.pid" && alive slurmd "$L/run/slurmd-$NODE.pid" \
+   && scontrol ping 2>/dev/null | grep -q UP; then
+  echo "slurm 1-node already up: $NODE"; echo "SLURM_CONF=$SLURM_CONF"; exit 0
+fi
+# Anything missing or a changed config: restart our daemons from a clean controller state.
+stop slurmd "$L/run/slurmd-$NODE.pid"; stop slurmctld "$L/run/slurmctld.pid"
+printf '%s\n' "$CONF" > "$SLURM_CONF"
+start_munged "$L/munge"
+slurmctld -c   # -c: forget jobs of an earlier life of this cluster
+for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q UP && break; sleep 0.1; done
+T0=$(( $(date +%s) - 1 ))
+slurmd -N "$NODE"
+wait_idle "$T0" "$NODE"
+echo "slurm 1-node started: $NODE"; echo "SLURM_CONF=$SLURM_CONF"

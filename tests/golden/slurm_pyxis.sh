@@ -1,0 +1,50 @@
+#!/bin/bash
+#SBATCH --job-name=hpctrain-golden
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --time=04:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --chdir=/work/project
+#SBATCH --output=/work/project/runs/golden/slurm-%j.out
+#SBATCH --error=/work/project/runs/golden/slurm-%j.err
+
+# Written by `hpctrain slurm`; `hpctrain slurm status RUN_DIR` reports on the job.
+# On USR1 (the time-limit warning, or `scancel --signal=USR1 --batch`) the trap below forwards
+# it to the job step; the ranks save and exit 3; only then, and only while fewer than
+# MAX_REQUEUES requeues happened, this shell (on the host) runs `scontrol requeue`.
+set -u
+RUN_DIR=/work/project/runs/golden
+MAX_REQUEUES=3
+echo "hpctrain: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST at $(date -u +%FT%TZ)"
+export GLOO_SOCKET_IFNAME=ib0
+export NCCL_DEBUG=WARN
+export NCCL_SOCKET_IFNAME=ib0
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))  # per job: two jobs on one node never collide
+
+interrupted=0
+forward() { interrupted=1; echo "hpctrain: USR1 at $(date -u +%FT%TZ), forwarding to the job step"; kill -USR1 "$step" 2>/dev/null; }
+trap forward USR1
+started=$(date +%s)
+srun --nodes=2 --ntasks-per-node=1 --container-image='nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/work/project:/work/project --container-workdir=/work/project \
+  python3 -m hpctrain run --nnodes=2 --nproc=4 --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --shutdown-timeout=300 \
+  train data.name=synthetic_tiny model.name=mnist_cnn run.dir=/work/project/runs/golden &
+step=$!
+# bash runs a trap only once `wait` returns: wait again until the step itself has ended
+wait "$step"; code=$?
+while [ "$interrupted" = 1 ]; do interrupted=0; wait "$step"; code=$?; done
+
+status="$RUN_DIR/status.json"; restarts=${SLURM_RESTART_COUNT:-0}; preempted=0
+if [ "$code" -eq 3 ]; then preempted=1
+elif [ "$code" -ne 0 ] && [ "$(stat -c %Y "$status" 2>/dev/null || echo 0)" -ge "$started" ] && grep -Eq '"outcome": *"preempted"' "$status"; then preempted=1; fi
+echo "hpctrain: job step exited with $code (preempted=$preempted, restarts=$restarts)"
+if [ "$preempted" = 1 ] && [ "$restarts" -lt "$MAX_REQUEUES" ]; then
+  echo "hpctrain: requeue $((restarts + 1)) of $MAX_REQUEUES"; scontrol requeue "$SLURM_JOB_ID"
+elif [ "$preempted" = 1 ]; then
+  echo "hpctrain: preempted after $restarts requeues (--max-requeues $MAX_REQUEUES): not requeued"
+fi
+exit "$code"

@@ -1,0 +1,228 @@
+"""``hpctrain slurm``: rendered scripts against golden files (plain, Apptainer, Pyxis, multi-node),
+``bash -n`` on each, the batch shell's trap/requeue rule run by bash itself, and the option
+checks that must fail before anything is written (issue 9, section 1).
+
+Regenerate the golden files after an intended change: ``HPCTRAIN_UPDATE_GOLDEN=1 pytest tests/test_launch_slurm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli import main
+from hpctrain.launch import slurm
+from hpctrain.launch.slurm import SlurmOptions, plan_job, render
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+WORKDIR = Path("/work/project")  # never created: rendering only resolves paths
+ENVIRON = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0", "HOME": "/home/u"}
+CONFIG = ["data.name=synthetic_tiny", "model.name=mnist_cnn", "run.dir=runs/golden"]
+
+CASES = {
+    "plain": SlurmOptions(nodes=1, time="00:30:00", nproc_per_node=2, cpus_per_task=4, python="/opt/venv/bin/python",
+                          max_requeues=2),
+    "multinode": SlurmOptions(nodes=4, time="2-00:00:00", gpus_per_node=8, cpus_per_task=64, mem="480G",
+                              partition="gpu", account="proj42", qos="high", python="python",
+                              setup="module load cuda/12.4; source /opt/venv/bin/activate", signal_lead_s=600),
+    "apptainer": SlurmOptions(nodes=2, time="04:00:00", gres="gpu:a100:4", cpus_per_task=32,
+                              container="/images/pytorch.sif", container_runtime="apptainer",
+                              mounts=("/scratch/datasets",)),
+    "pyxis": SlurmOptions(nodes=2, time="04:00:00", gpus_per_node=4, container="nvcr.io#nvidia/pytorch:24.05-py3",
+                          container_runtime="pyxis", env=("TORCH_NCCL_ASYNC_ERROR_HANDLING=1",)),
+}
+
+
+def _render(name: str) -> str:
+    extra = ["data.path=/scratch/datasets/mnist-shards"] if name == "apptainer" else []
+    return render(plan_job(CASES[name], [*CONFIG, *extra], environ=ENVIRON, workdir=WORKDIR))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rendered_script_matches_golden_and_parses(name: str, tmp_path: Path) -> None:
+    text = _render(name)
+    golden = GOLDEN / f"slurm_{name}.sh"
+    if os.environ.get("HPCTRAIN_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{golden} differs; HPCTRAIN_UPDATE_GOLDEN=1 regenerates it"
+    script = tmp_path / "job.sh"
+    script.write_text(text)
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_scripts_carry_the_requeue_contract() -> None:
+    for name in CASES:
+        text = _render(name)
+        head = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+        for want in ("--requeue", "--open-mode=append", "--ntasks-per-node=1", "--output=/work/project/runs/golden/"
+                     "slurm-%j.out", "--error=/work/project/runs/golden/slurm-%j.err"):
+            assert any(want in line for line in head), (name, want)
+        assert any(line.startswith("#SBATCH --signal=B:USR1@") for line in head), name
+        # scontrol only ever runs in the batch shell, on the host, never inside the container
+        step = text[text.index("srun "):text.index("step=$!")]
+        assert "scontrol" not in step and "scontrol requeue" in text
+
+
+def test_multinode_numbers() -> None:
+    text = _render("multinode")
+    assert "#SBATCH --nodes=4" in text and "#SBATCH --gpus-per-node=8" in text
+    assert "--nnodes=4 --nproc=8" in text and "export OMP_NUM_THREADS=8" in text  # 64 CPUs / 8 ranks
+    assert "#SBATCH --signal=B:USR1@600" in text and "--shutdown-timeout=600" in text
+    assert "export NCCL_SOCKET_IFNAME=ib0" in text and "export GLOO_SOCKET_IFNAME=ib0" in text and "HOME" not in text
+
+
+# ---------------------------------------------------------------- the batch shell's logic, run by bash
+
+
+FAKE_SRUN = """#!/bin/bash
+# a job step: trains until USR1 (then "saves" and exits 3) or exits with $STEP_EXIT by itself
+trap 'echo step-got-usr1 >> "$LOG"; exit 3' USR1
+echo "srun $*" >> "$LOG"
+[ -n "${STEP_EXIT:-}" ] && exit "$STEP_EXIT"
+for _ in $(seq 200); do sleep 0.05; done
+exit 0
+"""
+FAKE_SCONTROL = """#!/bin/bash
+if [ "$1" = show ]; then echo node7; echo node8; else echo "scontrol $*" >> "$LOG"; fi
+"""
+
+
+def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signal_after: float | None = None,
+                max_requeues: int = 2) -> tuple[int, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    opts = SlurmOptions(nodes=2, time="01:00:00", python="python", max_requeues=max_requeues)
+    script = tmp_path / "job.sh"
+    script.write_text(render(plan_job(opts, [f"run.dir={tmp_path / 'run'}"], environ={}, workdir=tmp_path)))
+    log = tmp_path / "log"
+    log.write_text("")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_RESTART_COUNT": str(restarts), "STEP_EXIT": step_exit}
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if signal_after is not None:
+        deadline = time.monotonic() + 10
+        while "srun" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(signal_after)
+        proc.send_signal(signal.SIGUSR1)  # Slurm's B:USR1 reaches the batch shell only
+    out, _ = proc.communicate(timeout=30)
+    return proc.returncode, out.decode() + log.read_text()
+
+
+def test_usr1_to_the_batch_shell_is_forwarded_and_requeues(tmp_path: Path) -> None:
+    code, out = _run_script(tmp_path, signal_after=0.2)
+    assert code == 3, out
+    assert "step-got-usr1" in out and "scontrol requeue 4242" in out, out
+    assert "--rdzv-endpoint=node7:" in out.replace('"', "") or "rdzv-endpoint=node7" in out, out
+
+
+def test_no_requeue_after_k_restarts_nor_on_failure(tmp_path: Path) -> None:
+    code, out = _run_script(tmp_path / "k", restarts=2, step_exit="3")
+    assert code == 3 and "scontrol requeue" not in out and "not requeued" in out, out
+    code, out = _run_script(tmp_path / "fail", step_exit="1")
+    assert code == 1 and "scontrol requeue" not in out, out
+    code, out = _run_script(tmp_path / "ok", step_exit="0")
+    assert code == 0 and "scontrol requeue" not in out, out
+
+
+# ---------------------------------------------------------------- validation: exit 2, numbers, nothing written
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--gpus-per-node", "4", "--gres", "gpu:8"], "--gpus-per-node 4 contradicts --gres gpu:8 (8 GPUs per node)"),
+    (["--gpus-per-node", "4", "--nproc-per-node", "2"], "--nproc-per-node 2 differs from --gpus-per-node 4"),
+    (["--time", "4h"], "--time '4h' is not a Slurm time"),
+    (["--time", "00:05:00", "--signal-lead", "400"], "400 s before the end does not fit in --time 300 s"),
+    (["--nproc-per-node", "4", "--cpus-per-task", "2"], "--cpus-per-task 2 is less than the 4 processes per node"),
+    (["--container", "x.sif"], "--container and --container-runtime go together"),
+    (["--mem", "lots"], "--mem 'lots'"),
+    (["--nodes", "0"], "--nodes 0 must be >= 1"),
+    (["data.max_train_samples=100", "data.batch_size=16", "--nproc-per-node", "4"],
+     "data.max_train_samples (100) is smaller than one global batch: data.batch_size (16) x world_size (8)"),
+    (["data.batchsize=3"], "unknown key 'data.batchsize'"),
+])
+def test_bad_options_fail_before_anything_is_written(options: list[str], message: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    config = [o for o in options if "=" in o and not o.startswith("-")]  # positionals come before the options
+    flags = [o for o in options if o not in config]
+    base = ["slurm", "data.name=synthetic_tiny", f"run.dir={run_dir}", *config, "--nodes", "2", "--time", "01:00:00"]
+    assert main([*base, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_missing_nodes_or_time(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["slurm", "data.name=synthetic_tiny"]) == 2
+    assert "needs --nodes and --time" in capsys.readouterr().err
+
+
+def test_time_formats() -> None:
+    assert [slurm.parse_time(t) for t in ("30", "30:15", "04:00:00", "1-00", "2-03:04", "1-00:00:01")] == \
+        [1800, 1815, 14400, 86400, 183840, 86401]
+
+
+def test_signal_lead_comes_from_the_measured_save(tmp_path: Path) -> None:
+    step = tmp_path / "checkpoints" / "step-000000010"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"step": 10, "files": {}, "save_s": 40.2}))
+    opts = SlurmOptions(nodes=1, time="02:00:00")
+    assert slurm.signal_lead(opts, 7200, tmp_path) == 81 + slurm.SIGNAL_MARGIN_S
+    assert slurm.signal_lead(opts, 7200, tmp_path / "nothing") == slurm.DEFAULT_SIGNAL_LEAD_S
+
+
+def test_write_without_submit_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    base = ["slurm", "data.name=synthetic_tiny", f"run.dir={run_dir}", "--nodes", "1", "--time", "10"]
+    assert main([*base, "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash\n#SBATCH") and not run_dir.exists()
+    assert main(base) == 0
+    script = run_dir / slurm.SCRIPT_NAME
+    assert script.is_file() and os.access(script, os.X_OK) and f"run.dir={run_dir}" in script.read_text()
+
+
+# ---------------------------------------------------------------- submit, status, cancel (Slurm's commands stubbed)
+
+
+FAKE_TOOLS = {
+    "sbatch": 'echo "sbatch $*" >> "$LOG"; echo "5151;cluster"',
+    "squeue": 'echo RUNNING',
+    "scontrol": 'echo "JobId=5151 JobState=RUNNING Restarts=1 NodeList=n[1-2]"',
+    "scancel": 'echo "scancel $*" >> "$LOG"',
+}
+
+
+def test_submit_status_cancel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    bin_dir, log, run_dir = tmp_path / "bin", tmp_path / "log", tmp_path / "run"
+    bin_dir.mkdir()
+    for name, body in FAKE_TOOLS.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("LOG", str(log))
+    base = ["slurm", "data.name=synthetic_tiny", f"run.dir={run_dir}", "--nodes", "2", "--time", "10"]
+    assert main([*base, "--submit"]) == 0
+    assert "submitted job 5151" in capsys.readouterr().out
+    assert f"sbatch --parsable {run_dir / slurm.SCRIPT_NAME}" in log.read_text()
+    assert [j["job_id"] for j in slurm.read_jobs(run_dir)] == ["5151"]
+    step = run_dir / "checkpoints" / "step-000000007"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"step": 7, "files": {}}))
+    assert main(["slurm", "status", str(run_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["job_id"] == "5151" and info["state"] == "RUNNING" and info["restarts"] == 1
+    assert info["last_checkpoint"] == str(step) and info["logs"][0] == str(run_dir / "slurm-5151.out")
+    assert main(["slurm", "cancel", str(run_dir)]) == 0
+    assert "scancel 5151" in log.read_text()
+    assert main(["slurm", "status", str(tmp_path / "never-submitted")]) == 2
