@@ -26,6 +26,7 @@ from hpctrain.optim import OptimConfig
 from hpctrain.parallel.config import ParallelConfig
 from hpctrain.precision import PrecisionMode
 from hpctrain.section import ConfigError, opt, sub, to_dict
+from hpctrain.telemetry.config import TelemetryConfig
 from hpctrain.train_config import RunConfig, TrainConfig
 
 __all__ = ["BatchPlan", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
@@ -44,6 +45,7 @@ class Config:
     parallel: ParallelConfig = sub(ParallelConfig)
     run: RunConfig = sub(RunConfig)
     checkpoint: CheckpointConfig = sub(CheckpointConfig)
+    telemetry: TelemetryConfig = sub(TelemetryConfig)
     resume: str = opt("auto", "auto: continue from the newest committed checkpoint of run.dir; never: start fresh; or a checkpoint PATH.")
 
 

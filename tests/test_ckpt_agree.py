@@ -152,3 +152,25 @@ def test_eval_at_two_plain_ranks_writes_results(trained: Path, tmp_path: Path) -
     assert report["world_size"] == 2 and len(rows) == report["count"] > 0
     assert sorted(json.loads(row)["key"] for row in rows) == list(range(report["count"]))  # each sample once
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_run_overwrite_rank0_prepares_the_run_dir_while_the_others_wait(trained: Path, tmp_path: Path) -> None:
+    """run.overwrite=true renames checkpoints/ away on rank 0 only, after the process group
+    exists: its failure reaches every rank, and without one every rank trains the new run."""
+    run = _copy_run(trained, tmp_path / "run")
+    args = ["train", *BASE, f"run.dir={run}", "run.overwrite=true", "resume=never"]
+    failed = _run_ranks(2, args, inject=("hpctrain.rundir:_remove_old_checkpoints", 0))
+    _all_fail_with(failed, "injected failure in _remove_old_checkpoints on rank 0")
+    assert (run / "summary.json").is_file()  # untouched
+    results = _run_ranks(2, args)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-2000:]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    manifests = [layout.read_manifest(p) for _, p in layout.committed(run / "checkpoints")]
+    assert manifests and all(m["world_size"] == 2 for m in manifests)  # only the new run's checkpoints
