@@ -1,17 +1,6 @@
-"""Page-cache eviction shared by the benchmarks (run as scripts: this folder is on sys.path)."""
+"""Page-cache eviction for the benchmark scripts (run as scripts: this folder is on sys.path);
+the function lives in hpctrain.bench.pagecache, shared with ``hpctrain bench``."""
 
-from __future__ import annotations
+from hpctrain.bench.pagecache import evict
 
-import os
-from pathlib import Path
-
-
-def evict(path: Path) -> None:
-    """Drop a file's or a directory's files from the page cache, so a read comes from the disk."""
-    for file in [path] if path.is_file() else path.rglob("*"):
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+__all__ = ["evict"]

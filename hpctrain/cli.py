@@ -8,6 +8,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from hpctrain.bench import cli as bench_cli
 from hpctrain.checkpoint import cli as ckpt_cli
 from hpctrain.config import ConfigError, load_config, reference_markdown, to_yaml
 from hpctrain.data.cli import add_parser as add_data_parser
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_parser(sub)
     estimate_cli.add_parser(sub)
     report_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     return parser
 
 

@@ -1,5 +1,7 @@
 """The run directory: config.yaml, metrics.jsonl, model.pt, summary.json.
 
+metrics.jsonl is written by :class:`hpctrain.telemetry.loggers.JsonlLogger` (``telemetry.loggers``).
+
 Files are written whole or not at all (temporary name, fsync, rename), and a finished
 run is never overwritten unless ``run.overwrite=true``.
 """
@@ -144,23 +146,6 @@ def params_sha256(model: nn.Module) -> str:
     for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-class MetricsLog:
-    """Append-only metrics.jsonl (rank 0 only); lines are flushed so a crash keeps them."""
-
-    def __init__(self, path: Path | None) -> None:
-        self._fh: IO[str] | None = open(path, "a") if path is not None else None
-
-    def write(self, row: dict[str, Any]) -> None:
-        if self._fh is not None:
-            self._fh.write(json.dumps(row) + "\n")
-            self._fh.flush()
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
 
 
 def prepare_run_dir_together(path: Path, overwrite: bool, resume: str, is_main: bool) -> None:

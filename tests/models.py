@@ -35,6 +35,18 @@ def slow_mlp(num_classes: int = 10) -> nn.Module:
     return _Slow(tiny_mlp(num_classes), 0.02)
 
 
+def straggler_mlp(num_classes: int = 10) -> nn.Module:
+    """tiny_mlp whose training forward sleeps 30 ms on every rank, plus 90 ms more on the rank
+    named by $HPCTRAIN_TEST_SLOW_RANK (none if unset): a straggler, or a balanced run."""
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    slow = os.environ.get("HPCTRAIN_TEST_SLOW_RANK")
+    return _Slow(tiny_mlp(num_classes), 0.12 if slow is not None and int(slow) == rank else 0.03)
+
+
 # ---------------------------------------------------------------- user models as users write them
 
 

@@ -273,3 +273,10 @@ def test_predicted_bytes_agree_with_a_measured_gpu_step_within_15_percent(layers
     print(f"\n{layers}x{hidden} b={micro_batch}: measured {peak / 1e9:.2f} GB, predicted {pred.total / 1e9:.2f} GB "
           f"(without gradients {(pred.total - pred.grads) / 1e9:.2f} GB)")
     assert abs(pred.total / peak - 1) < 0.15
+
+
+def test_a_token_model_from_the_registry_is_measured_with_int64_inputs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--model", "gpt", "--gpus", "1", "--gpu", "h100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["params"] == 842_496  # the default GPT (hpctrain models)
+    assert out["memory"]  # activations measured by a meta forward on int64 tokens

@@ -209,7 +209,7 @@ class CheckpointWriter:
             written = self._copy_to_shared(written, partial)
         results = _gather((written.files, written.error), self.group, self.env)
         errors = [err for _, err in results if err]
-        outcome = None if errors else self._finish(partial, final, results, snap)
+        outcome = None if errors else self._finish(partial, final, results, snap, time.perf_counter() - start)
         outcomes = _gather(outcome, self.group, self.env)
         failure = errors or [o for o in outcomes if o]
         if failure:
@@ -222,15 +222,16 @@ class CheckpointWriter:
         self.last.total_s = time.perf_counter() - start
         return final
 
-    def _finish(self, partial: Path, final: Path, results: list[Any], snap: Snapshot) -> str | None:
-        """Rank 0: manifest, rename, retention. Returns an error text or None."""
+    def _finish(self, partial: Path, final: Path, results: list[Any], snap: Snapshot, save_s: float) -> str | None:
+        """Rank 0: manifest, rename, retention. Returns an error text or None. ``save_s`` (the
+        measured write time) goes into the manifest: `hpctrain slurm` sizes its USR1 lead from it."""
         if not self.env.is_main:
             return None
         files: dict[str, dict[str, Any]] = {}
         for rank_files, _ in results:
             files.update(rank_files)
         try:
-            layout.commit(partial, final, files, snap.info)
+            layout.commit(partial, final, files, {**snap.info, "save_s": round(save_s, 3)})
         except Exception as err:
             return f"commit: {type(err).__name__}: {err}"
         layout.apply_retention(self.root, self.keep_last, self.keep_every)

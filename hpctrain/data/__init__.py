@@ -25,6 +25,7 @@ import torch
 from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
 from hpctrain.data.memory import EvalLoader, MemoryLoader
 from hpctrain.data.sources import ArrayDataset, Batch, DataMissingError, load_dataset
+from hpctrain.data.text import shakespeare_root, text_layout, tokens_of
 from hpctrain.env import ClusterEnv
 from hpctrain.section import ConfigError
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # the composed config imports this package: no runtime import
     from hpctrain.config import Config
 
 log = logging.getLogger("hpctrain")
+SHARD_NAMES = ("shards", "shakespeare")  # data.name values read through the shard loader
 
 __all__ = ["ArrayDataset", "Batch", "DataBundle", "DataMissingError", "EvalBatches", "EvalLoader", "MemoryLoader",
            "ShardedEvalLoader", "ShardedLoader", "TrainLoader", "build_data", "build_val_loader"]
@@ -65,11 +67,13 @@ class DataBundle:
     input_shape: tuple[int, ...]
     train_size: int
     val_size: int
+    input_dtype: torch.dtype = torch.float32  # the model's input: torch.long for token ids
+    task: str = "classification"  # what the data asks of the loop (hpctrain.tasks): causal_lm for text
 
 
 def build_data(cfg: Config, env: ClusterEnv, device: torch.device, *, with_val: bool = True) -> DataBundle:
     d = cfg.data
-    if d.name == "shards":
+    if d.name in SHARD_NAMES:
         return _build_shard_data(cfg, env, device, with_val)
     train_set = load_dataset(d.name, "train", d.path, d.synthetic_size, cfg.seed).subset(d.max_train_samples)
     loader = MemoryLoader(train_set, env, d.batch_size, seed=cfg.seed, drop_last=d.drop_last,
@@ -100,23 +104,30 @@ def _shard_root(cfg: Config, env: ClusterEnv) -> Path:
     from hpctrain.data.foreign import prepare
     from hpctrain.data.stage import resolve_stage_dir, stage_shards
 
+    splits = ["train", cfg.data.val_split]
+    stage_dir = resolve_stage_dir(cfg.data.stage_dir)
+    if cfg.data.name == "shakespeare":  # sharded on first use into the cache, at the model's context length
+        return stage_shards(shakespeare_root(cfg.model.seq_len, env), stage_dir, env, splits)
     if not cfg.data.path:
         raise ConfigError("data.name=shards needs data.path=DIR (made by `hpctrain data shard SOURCE DIR`, "
                           "or a directory of WebDataset tars)")
-    splits = ["train", cfg.data.val_split]
     root = prepare(cfg.data.path, splits, env)
-    return stage_shards(root, resolve_stage_dir(cfg.data.stage_dir), env, splits)
+    return stage_shards(root, stage_dir, env, splits)
 
 
 def _build_shard_data(cfg: Config, env: ClusterEnv, device: torch.device, with_val: bool) -> DataBundle:
     d = cfg.data
     root = _shard_root(cfg, env)
+    text = text_layout(root)
     loader = ShardedLoader(root, env, d.batch_size, split="train", seed=cfg.seed, shuffle=d.shuffle,
                            shuffle_window=d.shuffle_window, drop_last=d.drop_last, num_workers=d.num_workers,
                            prefetch_factor=d.prefetch_factor, pin_memory=d.pin_memory and device.type == "cuda",
                            persistent_workers=d.persistent_workers, on_corrupt=d.on_corrupt,
-                           max_samples=d.max_train_samples)
+                           max_samples=d.max_train_samples, transform=tokens_of if text else None)
     val = _shard_val_loader(cfg, env, root) if with_val else None
+    if text is not None:  # token windows of seq_len + 1: the model sees (seq_len,) int64 ids
+        return DataBundle(loader, val, text.vocab, (text.seq_len,), loader.num_samples,
+                          val.num_samples if val else 0, torch.long, "causal_lm")
     return DataBundle(loader, val, _num_classes(cfg, loader.index.classes, root), loader.dataset.sample_shape(),
                       loader.num_samples, val.num_samples if val else 0)
 
@@ -137,16 +148,20 @@ def _shard_val_loader(cfg: Config, env: ClusterEnv, root: Path) -> ShardedEvalLo
                     cfg.data.val_split, root, cfg.data.path, cfg.data.val_split)
         return None
     return ShardedEvalLoader(root, env, eval_batch_size(cfg), split=cfg.data.val_split, on_corrupt=cfg.data.on_corrupt,
-                             max_samples=cfg.data.max_val_samples)
+                             max_samples=cfg.data.max_val_samples,
+                             transform=tokens_of if text_layout(root, cfg.data.val_split) else None)
 
 
 def build_val_loader(cfg: Config, env: ClusterEnv) -> tuple[EvalBatches, int, tuple[int, ...]]:
     """(evaluation loader, num_classes, input shape) for any data.name; for ``hpctrain eval``."""
-    if cfg.data.name == "shards":
+    if cfg.data.name in SHARD_NAMES:
         loader = _shard_val_loader(cfg, env, _shard_root(cfg, env))
         if loader is None:
             raise ConfigError(f"data.path={cfg.data.path} has no {cfg.data.val_split} split to evaluate")
         root = loader.index.root
+        text = text_layout(root, cfg.data.val_split)
+        if text is not None:
+            return loader, text.vocab, (text.seq_len,)
         return loader, _num_classes(cfg, loader.index.classes, root), loader.dataset.sample_shape()
     dataset = load_val_set(cfg)
     return EvalLoader(dataset, env, eval_batch_size(cfg)), dataset.num_classes, dataset.input_shape

@@ -23,15 +23,22 @@ from hpctrain.data.shards import (
 def cmd_shard(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    source = open_source(args.source, args.split)
+    from hpctrain.data.text import is_text_spec, text_sources
+
+    if is_text_spec(args.source):  # text: both splits at once (split by document) unless --split is given
+        sources = text_sources(args.source, args.split, seq_len=args.seq_len, glob=args.glob,
+                               val_fraction=args.val_fraction)
+    else:
+        sources = {args.split or "train": open_source(args.source, args.split or "train")}
     max_bytes = parse_size(args.shard_size) if args.shard_size else None
-    with tqdm(total=source.size, unit="sample", desc=f"{args.split} shards", dynamic_ncols=True,
-              disable=args.quiet, file=sys.stderr) as bar:
-        manifest = write_shards(source.samples, args.out_dir, args.split, samples_per_shard=args.samples_per_shard,
-                                max_bytes=max_bytes, meta=source.meta, progress=bar.update)
-    total = sum(s["bytes"] for s in manifest["shards"])
-    print(f"wrote {manifest['total_samples']} samples in {len(manifest['shards'])} shards "
-          f"({total / 1e6:.1f} MB) to {args.out_dir} (split {args.split})")
+    for split, source in sources.items():
+        with tqdm(total=source.size, unit="sample", desc=f"{split} shards", dynamic_ncols=True,
+                  disable=args.quiet, file=sys.stderr) as bar:
+            manifest = write_shards(source.samples, args.out_dir, split, samples_per_shard=args.samples_per_shard,
+                                    max_bytes=max_bytes, meta=source.meta, progress=bar.update)
+        total = sum(s["bytes"] for s in manifest["shards"])
+        print(f"wrote {manifest['total_samples']} samples in {len(manifest['shards'])} shards "
+              f"({total / 1e6:.1f} MB) to {args.out_dir} (split {split})")
     return 0
 
 
@@ -97,13 +104,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sub = parser.add_subparsers(dest="data_command", required=True)
 
     p = sub.add_parser("shard", help="write SOURCE as OUT_DIR/<split>-NNNNNN.tar + index + manifest")
-    p.add_argument("source",
-                   help="mnist | fashion_mnist | imagefolder:PATH | npz:PATH | jsonl:PATH | synthetic_cifar:N")
+    p.add_argument("source", help="mnist | fashion_mnist | imagefolder:PATH | npz:PATH | jsonl:PATH | "
+                                  "synthetic_cifar:N | text:PATH (file, dir or tar.gz) | shakespeare")
     p.add_argument("out_dir")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--samples-per-shard", type=int, help="samples per shard")
     size.add_argument("--shard-size", help="bytes per shard, e.g. 256MB (default when neither is given)")
-    p.add_argument("--split", default="train", choices=["train", "val", "test"])
+    p.add_argument("--split", choices=["train", "val", "test"],
+                   help="the split to write (default: train; text: both train and val, split by document)")
+    p.add_argument("--seq-len", type=int, default=128, help="text: tokens per sample (windows of seq-len + 1)")
+    p.add_argument("--glob", help="text: which files of a directory or tar are documents (default *.txt)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="text: share of documents held out as val")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_guarded(cmd_shard))
 

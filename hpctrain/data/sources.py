@@ -196,4 +196,5 @@ def load_dataset(name: str, split: str, path: str | None = None, synthetic_size:
     if name == "synthetic_tiny":
         return synthetic(split, size, (128,), seed=seed)
     raise ConfigError(f"data.name={name!r} is unknown; choose one of: mnist, fashion_mnist, "
-                      "synthetic_cifar, synthetic_tiny, shards (with data.path)")
+                      "synthetic_cifar, synthetic_tiny, shakespeare (text, sharded on first use), "
+                      "shards (with data.path)")

@@ -71,7 +71,7 @@ def _ends_bytes(shape: TransformerShape, micro_batch: int, *, tp: int, pp: int, 
 
 
 def saved_tensor_bytes(model: nn.Module, sample_shape: tuple[int, ...], micro_batch: int,
-                       element_bytes: int = 4) -> float:
+                       element_bytes: int = 4, input_dtype: torch.dtype = torch.float32) -> float:
     """Bytes of the tensors autograd saves for backward in one forward of a meta-device model.
 
     Any architecture, no memory used: the forward runs on the meta device under a
@@ -87,7 +87,7 @@ def saved_tensor_bytes(model: nn.Module, sample_shape: tuple[int, ...], micro_ba
             saved[id(t)] = t
         return t
 
-    x = torch.empty((micro_batch, *sample_shape), device="meta")
+    x = torch.empty((micro_batch, *sample_shape), dtype=input_dtype, device="meta")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x)
     return float(sum(t.numel() * (element_bytes if t.is_floating_point() else t.element_size())

@@ -63,8 +63,9 @@ def _measure(name: str, micro_batch: int, element_bytes: int) -> _Size:
     sample = model.input_shape(name)
     if sample is None:  # a user factory declares no input shape: parameters only
         return _Size(float(model.count_params(net)), source)
-    acts = activations.saved_tensor_bytes(net, sample, micro_batch, element_bytes)
-    return _Size(float(model.count_params(net)), source, acts, flops.counted_per_sample(net, sample))
+    dtype = model.input_dtype(name)
+    acts = activations.saved_tensor_bytes(net, sample, micro_batch, element_bytes, dtype)
+    return _Size(float(model.count_params(net)), source, acts, flops.counted_per_sample(net, sample, dtype=dtype))
 
 
 def inputs_from_args(args: argparse.Namespace) -> Inputs:

@@ -37,9 +37,10 @@ def wall_seconds(flops: float, gpus: int, peak_flops: float, mfu: float) -> floa
     return flops / (gpus * peak_flops * mfu)
 
 
-def counted_per_sample(model: nn.Module, sample_shape: tuple[int, ...], batch: int = 2) -> float:
+def counted_per_sample(model: nn.Module, sample_shape: tuple[int, ...], batch: int = 2,
+                       dtype: torch.dtype = torch.float32) -> float:
     """Forward+backward FLOPs per sample, counted on the meta device (no memory, no compute)."""
-    x = torch.empty((batch, *sample_shape), device="meta")
+    x = torch.empty((batch, *sample_shape), dtype=dtype, device="meta")
     with FlopCounterMode(display=False) as counter:
         model(x).sum().backward()
     return counter.get_total_flops() / batch

@@ -65,3 +65,11 @@ def input_shape(name: str) -> tuple[int, ...] | None:
 
     spec = REGISTRY.get(name)
     return spec.input_shape if spec else None
+
+
+def input_dtype(name: str) -> torch.dtype:
+    """The input dtype a registered model declares (int64 tokens for ``gpt``); float otherwise."""
+    from hpctrain.models import REGISTRY
+
+    spec = REGISTRY.get(name)
+    return spec.input_dtype if spec else torch.float32

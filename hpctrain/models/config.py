@@ -4,13 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.section import opt, positive
+from hpctrain.section import ConfigError, opt, positive
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = opt("mnist_cnn", "Registered model (`hpctrain models`) or a user model as `package.module:NAME` (a factory or an nn.Module class).")
     num_classes: int | None = opt(None, "Output classes; default: taken from the dataset.")
+    n_layers: int = opt(4, "gpt: transformer blocks.")
+    hidden: int = opt(128, "gpt: model width (embedding size); a multiple of model.heads.")
+    heads: int = opt(4, "gpt: attention heads per block.")
+    seq_len: int = opt(128, "gpt: the longest context in tokens (learned positions); data.name=shakespeare is sharded at this length.")
+    vocab: int | None = opt(None, "gpt: vocabulary size; default: the data's (256 for byte-level text).")
+    tie_weights: bool = opt(True, "gpt: share the token embedding with the output projection.")
+    dropout: float = opt(0.0, "gpt: dropout after the embeddings, attention and MLP (0 = off).")
 
     def __post_init__(self) -> None:
-        positive("model", self, "num_classes")
+        positive("model", self, "num_classes", "n_layers", "hidden", "heads", "seq_len", "vocab")
+        if self.hidden % self.heads:
+            raise ConfigError(f"model.hidden ({self.hidden}) must be divisible by model.heads ({self.heads}); "
+                              f"hint: model.hidden={self.hidden // self.heads * self.heads or self.heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout!r} must be in [0, 1)")

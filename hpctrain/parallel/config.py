@@ -1,16 +1,44 @@
-"""The ``parallel`` config section: the data-parallel strategy and its process group."""
+"""The ``parallel`` config section: the strategy, the mesh (dp x tp x pp) and its knobs.
+
+The section checks what it can alone (ranges, combinations no strategy supports);
+:func:`check_topology` checks what needs the world size, before any process group work,
+and names the numbers in its message.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.section import opt, positive
+from hpctrain.section import ConfigError, at_least, opt, positive
+
+Strategy = Literal["ddp", "zero1", "fsdp", "hsdp", "deepspeed"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Checkpointing = Literal["none", "block", "selective"]
+DTypeName = Literal["auto", "fp32", "bf16", "fp16"]
+
+# Strategies that shard over the data-parallel dimension and so compose with tp / pp.
+SHARDED = ("fsdp", "hsdp")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    strategy: Literal["ddp"] = opt("ddp", "Data-parallel strategy (ddp; FSDP/ZeRO arrive with the sharded-training issue).")
+    strategy: Strategy = opt("ddp", "Data-parallel strategy: ddp | zero1 (optimizer state sharded, over DDP) | fsdp (FSDP2; ZeRO-3, or ZeRO-2 with reshard_after_forward=false) | hsdp (replicate across nodes, shard within) | deepspeed (ZeRO stage from deepspeed_stage; needs the deepspeed extra).")
+    dp: int = opt(0, "Data-parallel degree; 0 = world size / (tp x pp). dp x tp x pp must equal the world size.")
+    tp: int = opt(1, "Tensor-parallel degree (DTensor column/row plans for attention and MLP; keep it within a node). tp > 1 with dp > 1 needs strategy fsdp or hsdp.")
+    pp: int = opt(1, "Pipeline-parallel degree (torch.distributed.pipelining stages, blocks split evenly). pp > 1 with dp > 1 needs strategy fsdp or hsdp.")
+    dp_replicate: int = opt(0, "hsdp: replicas (outer mesh dim); 0 = the number of nodes. Shards per replica = dp / dp_replicate.")
+    sequence_parallel: bool = opt(False, "With tp > 1: also shard layer norms and the residual stream along the sequence (Megatron sequence parallelism).")
+    reshard_after_forward: bool = opt(True, "fsdp/hsdp: free gathered parameters after forward (true = ZeRO-3) or keep them until backward (false = ZeRO-2: more memory, one all-gather less).")
+    param_dtype: DTypeName = opt("auto", "fsdp/hsdp mixed precision: dtype of the gathered parameters in forward/backward; auto = bf16 under precision=bf16, fp16 under fp16, else fp32. Sharded master weights stay fp32.")
+    reduce_dtype: Literal["fp32", "bf16"] = opt("fp32", "fsdp/hsdp mixed precision: dtype of the gradient reduce-scatter (fp32 keeps the sum exact to fp32).")
+    cpu_offload: bool = opt(False, "fsdp/hsdp: keep sharded parameters, gradients and optimizer state in CPU memory (optimizer step on CPU).")
+    meta_init: bool = opt(False, "fsdp/hsdp: build the model on the meta device, shard it, and load rank 0's one-process init (identical initial weights without the full model on any accelerator).")
+    microbatches: int = opt(4, "pp > 1: micro-batches per step through the pipeline schedule; the per-rank batch must be divisible by it.")
+    pp_schedule: PipelineSchedule = opt("1f1b", "pp > 1: pipeline schedule: gpipe | 1f1b | interleaved_1f1b.")
+    virtual_stages: int = opt(2, "pp_schedule=interleaved_1f1b: stages per pipeline rank (blocks split into pp x virtual_stages stages).")
+    activation_checkpointing: Checkpointing = opt("none", "Recompute activations in backward: none | block (each transformer block / child module) | selective (save matmul outputs, recompute the rest).")
+    deepspeed_stage: int = opt(2, "strategy=deepspeed: ZeRO stage 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).")
     backend: Literal["auto", "nccl", "gloo"] = opt("auto", "Process-group backend; auto = nccl with CUDA, else gloo.")
     init_timeout_s: float = opt(600.0, "Seconds to wait for all ranks in init_process_group and collectives.")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB.")
@@ -20,4 +48,90 @@ class ParallelConfig:
     broadcast_buffers: bool = opt(True, "DDP: broadcast buffers (e.g. BatchNorm stats) from rank 0 each forward.")
 
     def __post_init__(self) -> None:
-        positive("parallel", self, "init_timeout_s", "bucket_cap_mb")
+        positive("parallel", self, "init_timeout_s", "bucket_cap_mb", "tp", "pp", "microbatches", "virtual_stages")
+        at_least("parallel", self, "dp", 0)
+        at_least("parallel", self, "dp_replicate", 0)
+        if self.deepspeed_stage not in (1, 2, 3):
+            raise ConfigError(f"parallel.deepspeed_stage={self.deepspeed_stage} must be 1, 2 or 3")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.strategy in ("zero1", "deepspeed") and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(f"parallel.strategy={self.strategy} does not combine with tp={self.tp} / pp={self.pp}; "
+                              "hint: use parallel.strategy=fsdp (or hsdp) for dp x tp x pp")
+        if self.strategy not in SHARDED:
+            for key in ("cpu_offload", "meta_init"):
+                if getattr(self, key):
+                    raise ConfigError(f"parallel.{key}=true needs parallel.strategy=fsdp or hsdp "
+                                      f"(got {self.strategy}); hint: for DeepSpeed offload, use its own config")
+        if self.dp_replicate and self.strategy != "hsdp":
+            raise ConfigError(f"parallel.dp_replicate={self.dp_replicate} applies to strategy=hsdp only "
+                              f"(got {self.strategy})")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (got tp=1)")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The resolved degrees for one world size; ``dp_replicate`` x ``dp_shard`` = ``dp``."""
+
+    dp: int
+    tp: int
+    pp: int
+    dp_replicate: int = 1
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def stages(self) -> int:
+        return self.pp
+
+
+def check_topology(cfg: ParallelConfig, world_size: int, *, num_nodes: int = 1) -> Topology:
+    """The dp x tp x pp layout of ``world_size`` ranks, or a ConfigError naming the numbers."""
+    model_parallel = cfg.tp * cfg.pp
+    dp = cfg.dp or world_size // model_parallel
+    if dp * model_parallel != world_size:
+        raise ConfigError(f"parallel.dp ({cfg.dp or 'auto'} -> {dp}) x parallel.tp ({cfg.tp}) x parallel.pp ({cfg.pp}) "
+                          f"= {dp * model_parallel} != world size {world_size}; hint: choose degrees whose product "
+                          f"is {world_size}, or leave parallel.dp=0 and make tp x pp divide it")
+    if dp > 1 and model_parallel > 1 and cfg.strategy not in SHARDED:
+        raise ConfigError(f"parallel.strategy={cfg.strategy} with dp={dp} x tp={cfg.tp} x pp={cfg.pp} is not supported; "
+                          "hint: use parallel.strategy=fsdp (or hsdp) to combine data with tensor/pipeline parallelism")
+    replicate = _replicas(cfg, dp, num_nodes)
+    _check_pipeline(cfg)
+    return Topology(dp=dp, tp=cfg.tp, pp=cfg.pp, dp_replicate=replicate)
+
+
+def _replicas(cfg: ParallelConfig, dp: int, num_nodes: int) -> int:
+    if cfg.strategy != "hsdp":
+        return 1
+    replicate = cfg.dp_replicate or num_nodes
+    if dp % replicate:
+        raise ConfigError(f"parallel.dp_replicate ({cfg.dp_replicate or f'auto = {num_nodes} nodes'}) must divide "
+                          f"dp ({dp}) for strategy=hsdp; hint: set parallel.dp_replicate to a divisor of {dp}")
+    return replicate
+
+
+def _check_pipeline(cfg: ParallelConfig) -> None:
+    if cfg.pp == 1:
+        return
+    if cfg.pp_schedule == "1f1b" and cfg.microbatches < cfg.pp:
+        raise ConfigError(f"parallel.microbatches ({cfg.microbatches}) < pipeline stages parallel.pp ({cfg.pp}) for "
+                          f"pp_schedule=1f1b: the schedule cannot fill the pipeline; hint: "
+                          f"parallel.microbatches >= {cfg.pp} (a multiple of it, e.g. {2 * cfg.pp})")
+    # Interleaved 1F1B runs the micro-batches in rounds of about pp each; they must divide evenly.
+    rounds = max(1, cfg.microbatches // cfg.pp)
+    if cfg.pp_schedule == "interleaved_1f1b" and cfg.microbatches % rounds:
+        raise ConfigError(f"parallel.microbatches ({cfg.microbatches}) is not a multiple of its {rounds} rounds of "
+                          f"parallel.pp ({cfg.pp}) for pp_schedule=interleaved_1f1b "
+                          f"({cfg.pp * cfg.virtual_stages} stages); hint: use a multiple of {cfg.pp}")
+
+
+def resolve_param_dtype(cfg: ParallelConfig, precision: str) -> str:
+    """``param_dtype`` with ``auto`` resolved from the top-level ``precision`` key."""
+    if cfg.param_dtype != "auto":
+        return cfg.param_dtype
+    return precision if precision in ("bf16", "fp16") else "fp32"

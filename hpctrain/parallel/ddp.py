@@ -30,7 +30,11 @@ def wrap_ddp(model: nn.Module, cfg: ParallelConfig) -> DistributedDataParallel:
 
 
 def no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager[None]:
-    """Skip DDP's gradient all-reduce on inner micro-steps of gradient accumulation."""
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on inner micro-steps of accumulation."""
+    from hpctrain.parallel.fsdp import FSDPModule, fsdp_no_sync
+
     if skip and isinstance(model, DistributedDataParallel):
         return model.no_sync()
+    if skip and isinstance(model, FSDPModule):
+        return fsdp_no_sync(model)
     return contextlib.nullcontext()

@@ -16,6 +16,7 @@ Convention (see docs/telemetry.md):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -23,6 +24,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +55,17 @@ def forward_flops(model: nn.Module, *inputs: Any) -> int:
     try:
         return _count_on_meta(model, inputs)
     except Exception as err:  # noqa: BLE001 - any failure on meta: count for real on a copy
+        if _sharded(model):  # a copy's forward would run collectives on one rank's whim: never
+            raise
         log.debug("FLOP count on meta failed (%s); counting on a copy", err)
         return _count_on_copy(model, inputs)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Parameters that are DTensors (FSDP2, tensor parallel): only the meta count is safe."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def train_step_flops(model: nn.Module, *inputs: Any, grad_accum: int = 1) -> int:
@@ -66,14 +77,33 @@ def _count_on_meta(model: nn.Module, inputs: tuple[Any, ...]) -> int:
     state = {name: torch.empty_like(t, device="meta")
              for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
     meta_inputs = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, inputs)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with _hooks_off(model), torch.no_grad(), FlopCounterMode(display=False) as counter:
         torch.func.functional_call(model, state, meta_inputs, strict=False)
     return int(counter.get_total_flops())
 
 
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                  "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def _hooks_off(model: nn.Module) -> Iterator[None]:
+    """The user's forward hooks stay silent while the count runs the model: a hook that
+    counts calls or records activations must see training's forward passes only."""
+    saved = [(m, name, getattr(m, name)) for m in model.modules() for name in _FORWARD_HOOKS if hasattr(m, name)]
+    for module, name, hooks in saved:
+        setattr(module, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for module, name, hooks in saved:
+            setattr(module, name, hooks)
+
+
 def _count_on_copy(model: nn.Module, inputs: tuple[Any, ...]) -> int:
     clone = copy.deepcopy(model)  # batch-norm statistics and the like stay untouched
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with _hooks_off(clone), torch.random.fork_rng(devices=[]), torch.no_grad(), \
+            FlopCounterMode(display=False) as counter:
         clone(*inputs)
     return int(counter.get_total_flops())
 

@@ -19,7 +19,7 @@ from hpctrain.errors import UserError
 
 log = logging.getLogger("hpctrain")
 
-BREAKDOWN = ("time_data_s", "time_fwd_bwd_s", "time_optim_s", "time_ckpt_s", "time_eval_s")
+BREAKDOWN = ("time_data_s", "time_fwd_bwd_s", "time_optim_s", "time_ckpt_s", "time_eval_s", "time_other_s")
 MEMORY = ("mem_peak_gb", "mem_rss_gb")
 
 

@@ -129,3 +129,34 @@ def _gather_times(values: list[float]) -> list[tuple[float, float, float]]:
         local = out.cpu()
     rows = local.view(-1, len(FIELDS)).tolist()
     return [(float(s), float(d), float(c)) for s, d, c in rows]
+
+
+AUTO_INTERVAL_S = 60.0  # the default cadence: about one gather a minute
+
+
+class StragglerSchedule:
+    """At which optimizer steps every rank gathers (the same on every rank, without a
+    collective of its own).
+
+    ``every`` > 0: at multiples of ``every``. None (auto): first at ``first_step +
+    first_after``, then every ``60 s / slowest step time`` steps, computed from the gathered
+    report that every rank holds identically, so all ranks agree by construction. 0: never."""
+
+    def __init__(self, every: int | None, first_step: int, first_after: int) -> None:
+        self.every = every
+        if every == 0:
+            self.next: int | None = None
+        elif every is None:
+            self.next = first_step + max(1, first_after)
+        else:
+            self.next = (first_step // every + 1) * every
+
+    def due(self, step: int) -> bool:
+        return self.next is not None and step >= self.next
+
+    def done(self, step: int, report: StragglerReport) -> None:
+        if self.every:
+            self.next = (step // self.every + 1) * self.every
+            return
+        slowest = max((r.step_s for r in report.ranks), default=0.0)
+        self.next = step + max(1, round(AUTO_INTERVAL_S / slowest) if slowest > 0 else 1)

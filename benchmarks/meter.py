@@ -1,0 +1,53 @@
+"""The meter's own hot-path cost per optimizer step: the six laps and the per-step telemetry
+check (profiler/straggler schedule) that hpctrain's loop makes, timed in isolation with
+``timeit`` (best of 5), minus an empty call. The end-to-end loop overhead against a
+hand-written loop is benchmarks/overhead.py; this isolates the meter's share of it, which
+a loaded machine's noise (+-50 us per step) would hide there.
+
+    PYTHONPATH=. python benchmarks/meter.py [--calls 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import timeit
+
+import torch
+
+from hpctrain.config import load_config
+from hpctrain.env import ClusterEnv
+from hpctrain.telemetry.loop import Telemetry
+from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, FORWARD, OPTIM, OTHER
+
+
+def per_step_us(calls: int) -> float:
+    tel = Telemetry.build(load_config(None, ["telemetry.peak_tflops=1"]), ClusterEnv(), torch.device("cpu"), 0)
+    meter = tel.meter
+    meter.counted = True
+
+    def step() -> None:  # what _train_epoch / _after_step call per optimizer step (one micro-step)
+        meter.lap(DATA)
+        if not meter.counted:
+            pass
+        meter.lap(FORWARD)
+        meter.lap(BACKWARD)
+        meter.lap(OPTIM)
+        tel.after_step(1)
+        meter.lap(OTHER)
+        meter.lap(CKPT)
+
+    best = min(timeit.repeat(step, number=calls, repeat=5))
+    empty = min(timeit.repeat(lambda: None, number=calls, repeat=5))
+    return (best - empty) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=200_000)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"meter hot path: {per_step_us(args.calls):.2f} us per optimizer step (6 laps + after_step)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""``hpctrain bench NAME``: the workshop's demos as reproducible benchmarks, one file per case
+(baseline, scaling, amp, workers, batch, checkpoint, strategies; see docs/bench.md).
+
+Every case measures on whatever hardware is present, prints a table (with a progress bar
+over its runs), writes ``NAME.json`` and ``NAME.png`` and states the hardware it ran on.
+Shared pieces: :mod:`~hpctrain.bench.hardware` (what it ran on), :mod:`~hpctrain.bench.output`
+(table, JSON, PNG), :mod:`~hpctrain.bench.runner` (one training run in fresh processes: its
+steady-state throughput and peak memory; the ranks are :mod:`~hpctrain.bench.child` or the
+hand-written :mod:`~hpctrain.bench.plain_ddp`), :mod:`~hpctrain.bench.loops` (hpctrain's loop
+against a hand-written one, in process), :mod:`~hpctrain.bench.ckpt_io` (checkpoint I/O
+against dd) and :mod:`~hpctrain.bench.shards` (image shards of any size).
+``benchmarks/overhead.py`` and ``benchmarks/checkpoint.py`` use the same measuring code.
+"""

@@ -1,0 +1,186 @@
+"""A small decoder-only transformer (GPT-2 style): the language-model workload.
+
+Shaped for the sharding strategies that come after it:
+
+* pre-LN blocks in an ``nn.ModuleList`` named ``blocks``: FSDP wraps one block at a time;
+* attention and MLP projections are separate ``nn.Linear`` layers named ``q, k, v, o`` and
+  ``up, down``: a tensor-parallel plan is ``Colwise`` on ``q, k, v, up`` and ``Rowwise`` on
+  ``o, down``;
+* heads come from ``view(B, T, -1, head_dim)``, never from a head count: under tensor
+  parallelism a rank holds ``heads / tp`` heads and the same code runs on its shard;
+* :meth:`GPT.reset_parameters` re-draws every weight in a fixed order from the global RNG,
+  so a seed gives the same model however it was built (eagerly, or on ``meta`` then
+  ``to_empty``).
+
+Parameter count with tied embeddings (the convention of :mod:`hpctrain.estimate.model`):
+per block ``12 h^2 + 13 h``, plus ``(V + T) h`` embeddings and ``2 h`` for the final layer
+norm; untied weights add ``V h`` for the output projection (no bias).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.models.config import ModelConfig
+from hpctrain.models.user import ModelError
+
+INIT_STD = 0.02  # GPT-2's initializer range
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The sizes of a :class:`GPT`; ``seq_len`` is the longest context (learned positions)."""
+
+    vocab: int = 256
+    seq_len: int = 128
+    n_layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    tie_weights: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "seq_len", "n_layers", "hidden", "heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPT {name}={getattr(self, name)} must be > 0")
+        if self.hidden % self.heads:
+            raise ValueError(f"GPT hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPT dropout ({self.dropout}) must be in [0, 1)")
+
+    @property
+    def params(self) -> int:
+        """The parameter count by formula (tests check the built model against it)."""
+        h = self.hidden
+        head = 0 if self.tie_weights else self.vocab * h
+        return self.n_layers * (12 * h * h + 13 * h) + (self.vocab + self.seq_len) * h + 2 * h + head
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.head_dim, self.dropout = hidden // heads, dropout
+        self.q, self.k, self.v = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.o = nn.Linear(hidden, hidden)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: the local head count, which tensor parallelism divides
+        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.o(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(hidden), Attention(hidden, heads, dropout)
+        self.ln2, self.mlp = nn.LayerNorm(hidden), MLP(hidden, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """int64 tokens ``(B, T)`` with ``T <= shape.seq_len`` -> logits ``(B, T, vocab)``."""
+
+    def __init__(self, shape: GPTShape | None = None) -> None:
+        super().__init__()
+        self.shape = s = shape or GPTShape()
+        # The layers' own default inits must not consume the global RNG: then a seed gives the
+        # same weights built eagerly or on meta + to_empty + reset_parameters (FSDP's path).
+        with torch.random.fork_rng(devices=[]):
+            self.tok_emb = nn.Embedding(s.vocab, s.hidden)
+            self.pos_emb = nn.Embedding(s.seq_len, s.hidden)
+            self.drop = nn.Dropout(s.dropout)
+            self.blocks = nn.ModuleList(Block(s.hidden, s.heads, s.dropout) for _ in range(s.n_layers))
+            self.ln_f = nn.LayerNorm(s.hidden)
+            self.head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2's init, in a fixed order from the global RNG: N(0, 0.02) weights, zero biases,
+        unit layer norms, and the residual projections (``o``, ``down``) scaled by
+        1/sqrt(2 n_layers) so the residual stream's variance does not grow with depth."""
+        if self.shape.tie_weights:  # (again: to_empty() unties shared parameters)
+            self.head.weight = self.tok_emb.weight
+        residual_std = INIT_STD / math.sqrt(2 * self.shape.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, INIT_STD)
+            elif isinstance(module, nn.Linear) and not (module is self.head and self.shape.tie_weights):
+                std = residual_std if name.endswith((".o", ".down")) else INIT_STD
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.shape.seq_len:
+            raise ValueError(f"a sequence of {t} tokens is longer than the model's seq_len ({self.shape.seq_len}); "
+                             "hint: raise model.seq_len or shard the text with a shorter --seq-len")
+        positions = torch.arange(t, device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_gpt(num_classes: int = 256, *, config: ModelConfig | None = None,
+              input_shape: tuple[int, ...] | None = None, input_dtype: torch.dtype = torch.long,
+              name: str = "gpt") -> GPT:
+    """A GPT sized by the ``model`` config section; the vocabulary is ``model.vocab`` or the
+    data's (``num_classes``). With ``input_shape`` (``(seq_len,)`` of the data), one forward
+    pass on int64 zeros checks the sizes against the data before training starts."""
+    cfg = config or ModelConfig(name=name)
+    vocab = cfg.vocab or num_classes
+    if vocab < num_classes:
+        raise ModelError(f"model.vocab={vocab} is smaller than the data's vocabulary ({num_classes}); "
+                         "hint: leave model.vocab unset to take the data's")
+    if input_shape is not None and (len(input_shape) != 1 or input_dtype.is_floating_point):
+        raise ModelError(f"model.name={name!r} reads token ids (int64, shape (seq_len,)); the data gives "
+                         f"{input_dtype} samples of shape {tuple(input_shape)}; hint: data.name=shakespeare, "
+                         "or text shards from `hpctrain data shard text:PATH DIR`")
+    if input_shape is not None and input_shape[0] > cfg.seq_len:
+        raise ModelError(f"model.name={name!r} takes token sequences of at most model.seq_len={cfg.seq_len}, the "
+                         f"data's samples have shape {tuple(input_shape)}; hint: model.seq_len={input_shape[-1]}, "
+                         "or shard the text with a shorter --seq-len")
+    model = GPT(GPTShape(vocab=vocab, seq_len=cfg.seq_len, n_layers=cfg.n_layers, hidden=cfg.hidden,
+                         heads=cfg.heads, tie_weights=cfg.tie_weights, dropout=cfg.dropout))
+    if input_shape is not None:
+        _check_output(model, name, input_shape[0], vocab)
+    return model
+
+
+def _check_output(model: GPT, name: str, seq_len: int, vocab: int) -> None:
+    """Eval mode, no grad, RNG untouched: the check changes nothing of the run that follows."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        model.eval()
+        out = model(torch.zeros((2, seq_len), dtype=torch.long))
+        model.train()
+    if tuple(out.shape) != (2, seq_len, vocab):
+        raise ModelError(f"model.name={name!r} returned shape {tuple(out.shape)}, expected {(2, seq_len, vocab)}")

@@ -1,0 +1,77 @@
+"""FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded over the
+data-parallel mesh. One unit per transformer block (per child module for other models),
+then the root, so only one unit's full parameters exist at a time.
+
+``reshard_after_forward=True`` frees the gathered parameters after each unit's forward and
+gathers them again in backward (ZeRO-3); ``False`` keeps them until backward (ZeRO-2).
+A 2D mesh (replicate, shard) gives HSDP. Accumulation: :func:`fsdp_no_sync` skips the
+reduce-scatter on inner micro-steps (FSDP2 has no ``no_sync()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded one by one: the transformer blocks, else the direct children that hold parameters."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks):
+        return list(blocks)
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def mixed_precision(param_dtype: str = "fp32", reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
+    """Parameters gathered in ``param_dtype`` for compute; gradients reduced in ``reduce_dtype``."""
+    gathered = None if param_dtype == "fp32" else _DTYPES[param_dtype]
+    return MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=_DTYPES[reduce_dtype])
+
+
+def offload_policy(cpu_offload: bool) -> OffloadPolicy:
+    # Pinned host memory needs an accelerator: the defaults fail on a CPU-only machine.
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+
+
+def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
+               param_dtype: str = "fp32", reduce_dtype: str = "fp32", cpu_offload: bool = False) -> nn.Module:
+    """``fully_shard`` each unit, then the root; returns the same module (now an FSDPModule)."""
+    mp, offload = mixed_precision(param_dtype, reduce_dtype), offload_policy(cpu_offload)
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
+    # The root's own parameters (embeddings, head) are used last in backward: resharding them
+    # after forward would only gather them again at once.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> Iterator[FSDPModule]:
+    return (m for m in model.modules() if isinstance(m, FSDPModule))
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: nn.Module, skip: bool = True) -> Iterator[None]:
+    """Inside: gradients accumulate unsharded, with no reduce-scatter (an inner micro-step)."""
+    root = model if isinstance(model, FSDPModule) else None
+    if not skip or root is None:
+        yield
+        return
+    root.set_requires_gradient_sync(False)  # recurses into every FSDP unit
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)
+
+
+def sharded_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
+    """fp16 loss scaling whose inf check sees every rank's gradient shard (one all-reduce)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device.type)

@@ -1,0 +1,150 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: the transformer blocks are
+split into consecutive stages, one per pipeline rank (``pp`` x ``virtual_stages`` for
+interleaved 1F1B), and a schedule (GPipe, 1F1B, interleaved 1F1B) runs the micro-batches.
+
+The schedule runs forward and backward, so the training loop calls a step function,
+:class:`PipelineStep`, instead of ``model(inputs)`` + ``loss.backward()``.
+
+Model contract (manual split): ``model.blocks`` is an ``nn.ModuleList``; the top-level
+children registered before ``blocks`` run before it (embeddings), those after it run after
+it (final norm, head); ``forward`` skips a child that is None, and takes hidden states
+instead of token ids when the embeddings are gone. Tied weights between the two ends are
+not supported (each end would train its own copy).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def split_blocks(n_blocks: int, n_stages: int) -> list[range]:
+    """Consecutive block ranges, the first ``n_blocks % n_stages`` stages one block longer."""
+    if n_blocks < n_stages:
+        raise ValueError(f"pipeline: {n_blocks} blocks cannot fill {n_stages} stages; hint: lower parallel.pp "
+                         "(or parallel.virtual_stages)")
+    size, extra = divmod(n_blocks, n_stages)
+    bounds = [0]
+    for stage in range(n_stages):
+        bounds.append(bounds[-1] + size + (stage < extra))
+    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
+
+
+def _ends(model: nn.Module) -> tuple[list[str], list[str]]:
+    names = [name for name, _ in model.named_children()]
+    if "blocks" not in names or not isinstance(model.blocks, nn.ModuleList):
+        raise ValueError(f"pipeline parallel needs the model's transformer blocks as `blocks` (an nn.ModuleList); "
+                         f"{type(model).__name__} has none")
+    cut = names.index("blocks")
+    return names[:cut], names[cut + 1:]
+
+
+def _check_untied(model: nn.Module, before: list[str], after: list[str]) -> None:
+    def ids(names: list[str]) -> set[int]:
+        return {id(p) for name in names for p in getattr(model, name).parameters()}
+
+    if ids(before) & ids(after):
+        raise ValueError("pipeline parallel: the embedding and the head share weights (weight tying); "
+                         "hint: untie them (e.g. the gpt model's tie_weights=false) for parallel.pp > 1")
+
+
+def stage_module(model: nn.Module, stage: int, n_stages: int, *, copy_model: bool = False) -> nn.Module:
+    """``model`` cut down to stage ``stage`` of ``n_stages`` (in place unless ``copy_model``)."""
+    before, after = _ends(model)
+    _check_untied(model, before, after)
+    part = copy.deepcopy(model) if copy_model else model
+    blocks = part.get_submodule("blocks")
+    assert isinstance(blocks, nn.ModuleList)  # checked by _ends
+    keep = split_blocks(len(blocks), n_stages)[stage]
+    part.blocks = nn.ModuleList(blocks[i] for i in keep)
+    for name in (before if stage > 0 else []) + (after if stage < n_stages - 1 else []):
+        setattr(part, name, None)
+    return part
+
+
+def local_stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int) -> list[int]:
+    """Stage indices this pipeline rank runs: its own, or every pp-th one (looped) when interleaved."""
+    if schedule != "interleaved_1f1b":
+        return [pp_rank]
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+class PipelineStep:
+    """``step(inputs, targets) -> loss``: forward and backward of one batch through the schedule.
+
+    Gradients land in the stage modules' ``.grad`` as for ``loss.backward()`` on the batch
+    mean loss divided by ``grad_accum`` (the loop steps the optimizer after ``grad_accum``
+    calls). Returns the batch's mean loss (not divided by ``grad_accum``) on every pipeline
+    rank (broadcast from the last stage), a 0-dim tensor.
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], modules: Sequence[nn.Module], *, schedule: str,
+                 microbatches: int, loss_fn: LossFn, group: dist.ProcessGroup, grad_accum: int = 1) -> None:
+        self.modules, self.microbatches, self.group = list(modules), microbatches, group
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        scale = 1.0 / (microbatches * grad_accum)
+        # scale_grads=False + a loss pre-divided by microbatches x grad_accum: the gradients sum
+        # to the accumulated batch mean's, as with the unpipelined loop's loss / grad_accum.
+        self.schedule = _make_schedule(schedule, list(stages), microbatches, lambda out, tgt: loss_fn(out, tgt) * scale)
+        self.unscale = float(grad_accum)  # the recorded losses are mean / grad_accum in sum
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (all its stages): give these to the optimizer."""
+        return [p for module in self.modules for p in module.parameters()]
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if inputs.shape[0] % self.microbatches:
+            raise ValueError(f"pipeline: the batch of {inputs.shape[0]} samples does not split into "
+                             f"parallel.microbatches={self.microbatches} equal micro-batches")
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        if self.has_last:
+            self.schedule.step(*args, target=targets, losses=losses)
+        else:
+            self.schedule.step(*args)
+        loss = torch.stack(losses).sum() * self.unscale if losses else torch.zeros(())
+        return self._share(loss.detach(), inputs.device)
+
+    def _share(self, loss: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Every pipeline rank gets the last stage's loss (for logging and agreement)."""
+        staged = loss.to(torch.float32).to(device if dist.get_backend(self.group) == "nccl" else "cpu").reshape(1)
+        dist.broadcast(staged, group=self.group, group_src=dist.get_world_size(self.group) - 1)
+        return staged[0]
+
+
+def _make_schedule(name: str, stages: list[PipelineStage], microbatches: int,
+                   loss_fn: LossFn) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    if name == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(list[Any](stages), microbatches, loss_fn=loss_fn, scale_grads=False)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(name)
+    if kind is None:
+        raise ValueError(f"parallel.pp_schedule={name!r} is not one of gpipe, 1f1b, interleaved_1f1b")
+    if len(stages) != 1:
+        raise ValueError(f"pp_schedule={name} runs one stage per rank, got {len(stages)}")
+    return kind(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def build_pipeline(model: nn.Module, *, pp_group: dist.ProcessGroup, device: torch.device, schedule: str,
+                   microbatches: int, loss_fn: LossFn, virtual_stages: int = 2, grad_accum: int = 1,
+                   wrap: Callable[[nn.Module], nn.Module] | None = None) -> PipelineStep:
+    """Cut ``model`` into this rank's stage(s), optionally ``wrap`` each (e.g. FSDP over dp), and
+    return the step function. ``model`` is consumed (cut in place, or copied per virtual stage)."""
+    pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    ids = local_stage_ids(pp_rank, pp, schedule, virtual_stages)
+    n_stages = pp * len(ids)
+    modules = [stage_module(model, i, n_stages, copy_model=len(ids) > 1) for i in ids]
+    if wrap is not None:
+        modules = [wrap(m) for m in modules]
+    stages = [PipelineStage(m, i, n_stages, device, group=pp_group) for m, i in zip(modules, ids)]
+    return PipelineStep(stages, modules, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
+                        group=pp_group, grad_accum=grad_accum)

@@ -1,0 +1,82 @@
+"""Tensor parallelism with DTensor's ``parallelize_module`` (Megatron-style plans).
+
+In every transformer block, the attention's q, k, v and the MLP's up projection are split
+by output columns (each rank computes a slice of the heads / hidden units), o and down by
+input rows (their partial results are summed once per sub-layer). The attention must
+reshape with ``view(B, T, -1, head_dim)`` so a rank sees its local heads.
+
+Sequence parallel also shards the layer norms and the residual stream along the sequence
+(``Shard(1)``): activations outside attention/MLP take 1/tp of the memory, and the two
+all-reduces per block become an all-gather plus a reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+COLUMN = ("q", "k", "v", "up")  # split the output features
+ROW = ("o", "down")  # split the input features, sum the partial outputs
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def block_plan(block: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The plan for one block, found by module names (q, k, v, o, up, down) and norm types."""
+    plan: dict[str, ParallelStyle] = {}
+    row_output = Shard(1) if sequence_parallel else Replicate()
+    for name, module in block.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and leaf in COLUMN:
+            plan[name] = ColwiseParallel()
+            if sequence_parallel:
+                plan[_parent(name)] = _gather_sequence()
+        elif isinstance(module, nn.Linear) and leaf in ROW:
+            # under sequence parallel the residual stream stays a DTensor, so keep o/down's output one
+            plan[name] = RowwiseParallel(output_layouts=row_output, use_local_output=not sequence_parallel)
+        elif sequence_parallel and isinstance(module, NORMS):
+            plan[name] = SequenceParallel()
+    if not any(isinstance(style, ColwiseParallel) for style in plan.values()):
+        raise ValueError(f"tensor parallel found no Linear named {'/'.join(COLUMN)} in {type(block).__name__}; "
+                         "hint: name the attention projections q, k, v, o and the MLP's up, down")
+    return plan
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _gather_sequence() -> ParallelStyle:
+    # attention/MLP see the whole sequence: all-gather the sequence-sharded input once.
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+
+def apply_tp(model: nn.Module, *, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """Parallelize every block of ``model.blocks`` over the 1D ``mesh`` (the ``tp`` dim)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"tensor parallel needs the model's transformer blocks as `blocks` (an nn.ModuleList); "
+                         f"{type(model).__name__} has none")
+    for block in blocks:
+        parallelize_module(block, mesh, block_plan(block, sequence_parallel=sequence_parallel))
+    if sequence_parallel:
+        _shard_sequence_edges(model, blocks, mesh)
+    return model
+
+
+def _shard_sequence_edges(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh) -> None:
+    """Enter sequence sharding at the first block, leave it (gather) before the final norm/head."""
+    first = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
+    parallelize_module(blocks[0], mesh, first)
+    last = blocks[len(blocks) - 1]
+    # use_local_output: the rest of the model (final norm, head, loss) sees a plain full tensor.
+    last.register_forward_hook(lambda _m, _i, out: out.redistribute(placements=[Replicate()]).to_local())
+

@@ -1,0 +1,33 @@
+"""ZeRO-1: the optimizer state sharded over the data-parallel ranks, with DDP (see ddp.py)
+doing the gradient all-reduce. PyTorch's ZeroRedundancyOptimizer owns the sharding: each
+rank steps its share of the parameters, then broadcasts them to the others."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+def build_zero1(params: Iterable[torch.nn.Parameter], *, optimizer_class: type[torch.optim.Optimizer],
+                process_group: Any = None, **defaults: Any) -> ZeroRedundancyOptimizer:
+    """``optimizer_class(params, **defaults)`` with its state split over ``process_group``."""
+    return ZeroRedundancyOptimizer(list(params), optimizer_class=optimizer_class, process_group=process_group,
+                                   parameters_as_bucket_view=False, **defaults)
+
+
+def zero1_from(optimizer: torch.optim.Optimizer, *, process_group: Any = None) -> ZeroRedundancyOptimizer:
+    """The same optimizer (class, hyper-parameters and every param group) as ZeRO-1; build it
+    before the first step (the state of ``optimizer`` itself is not carried over)."""
+    if optimizer.state:
+        raise ValueError("zero1_from needs a fresh optimizer: its state would be lost; convert before the first step")
+    first, *rest = optimizer.param_groups
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in first.items() if k != "params" and k in accepted}
+    zero = build_zero1(first["params"], optimizer_class=type(optimizer), process_group=process_group, **defaults)
+    for group in rest:
+        zero.add_param_group(dict(group))
+    return zero

@@ -1,0 +1,89 @@
+"""What every task shares: the protocol the loop and evaluate() call, and one eval step.
+
+A task turns a :class:`~hpctrain.data.Batch` into model inputs and targets, owns the
+training loss and the evaluation metrics, and counts FLOPs and tokens per sample. The
+loop and evaluate() stay the same for every task (see docs/models.md):
+
+* train: ``inputs, targets = task.split(batch)``; under autocast
+  ``loss = task.loss(model(inputs), targets, batch.mask)``;
+* evaluate: ``out = task.eval_step(net, batch, precision)`` (None: a batch of padding
+  only), then ``metric.update(out)`` for each of ``task.metrics(num_classes)``.
+
+Loss convention: the training loss is the mean over what counts (real samples; for a
+language model, every target token of the real samples), so DDP's gradient average over
+ranks of equal batches is the global mean. :class:`EvalOutput` holds per-target values
+with the sample first: ``logits (N, ..., C)``, ``targets (N, ...)``, ``losses (N, ...)``
+in float64, masked samples already removed, so metrics sum and count exactly across ranks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.data.sources import Batch
+from hpctrain.metrics import EvalOutput, Metric
+from hpctrain.precision import Precision
+from hpctrain.telemetry.flops import train_step_flops
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+    input_dtype: torch.dtype  # what the model's forward takes
+
+    def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...  # (inputs, targets)
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor: ...
+    def eval_step(self, net: nn.Module, batch: Batch, precision: Precision | None) -> EvalOutput | None: ...
+    def metrics(self, num_classes: int) -> list[Metric]: ...
+    def tokens_per_sample(self, input_shape: tuple[int, ...]) -> int | None: ...  # None: not a token task
+    def flops_per_sample(self, model: nn.Module, input_shape: tuple[int, ...]) -> int: ...
+
+
+class CrossEntropyTask(ABC):
+    """The shared half of both tasks: forward under precision, drop padding, per-target losses."""
+
+    name: str
+    input_dtype: torch.dtype
+
+    @abstractmethod
+    def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor: ...
+
+    @abstractmethod
+    def metrics(self, num_classes: int) -> list[Metric]: ...
+
+    @abstractmethod
+    def tokens_per_sample(self, input_shape: tuple[int, ...]) -> int | None: ...
+
+    def target_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Unreduced cross-entropy, one value per target (shape of ``targets``)."""
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view_as(targets)
+
+    def eval_step(self, net: nn.Module, batch: Batch, precision: Precision | None) -> EvalOutput | None:
+        inputs, targets = self.split(batch)
+        with precision.autocast() if precision else torch.autocast("cpu", enabled=False):
+            logits = net(inputs)
+        logits = logits.float()
+        keep, keys = batch.mask, batch.keys
+        if keep is not None:
+            if not bool(keep.any()):
+                return None
+            logits, targets, keys = logits[keep], targets[keep], select_keys(keys, keep)
+        return EvalOutput(logits, targets, self.target_losses(logits, targets).double(), keys)
+
+    def flops_per_sample(self, model: nn.Module, input_shape: tuple[int, ...]) -> int:
+        """Training FLOPs of one sample (3 x forward; see hpctrain.telemetry.flops), counted on meta."""
+        return train_step_flops(model, torch.zeros((1, *input_shape), dtype=self.input_dtype))
+
+
+def select_keys(keys: torch.Tensor | list[str], keep: torch.Tensor) -> torch.Tensor | list[str]:
+    if isinstance(keys, torch.Tensor):
+        return keys[keep.cpu()]
+    return [k for k, m in zip(keys, keep.tolist()) if m]

@@ -1,0 +1,90 @@
+"""The instruments of one training run, built from ``cfg.telemetry`` and held by the loop as
+one object: the meter, the metric loggers, the straggler detector and its schedule, and the
+profiler window. The loop calls :meth:`Telemetry.after_step` after every optimizer step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpctrain.config import Config, to_dict
+from hpctrain.env import ClusterEnv
+from hpctrain.telemetry.flops import peak_flops
+from hpctrain.telemetry.loggers import LoggerOptions, Loggers, build_loggers
+from hpctrain.telemetry.meter import Meter
+from hpctrain.telemetry.profiler import StepProfiler
+from hpctrain.telemetry.stragglers import StragglerDetector, StragglerReport, StragglerSchedule
+
+log = logging.getLogger("hpctrain")
+
+
+@dataclass
+class Telemetry:
+    meter: Meter
+    loggers: Loggers = field(default_factory=lambda: Loggers([]))
+    detector: StragglerDetector | None = None
+    schedule: StragglerSchedule | None = None
+    profiler: StepProfiler | None = None
+    reports: list[StragglerReport] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, cfg: Config, env: ClusterEnv, device: torch.device, step: int,
+              run_dir: Path | None = None) -> Telemetry:
+        """Every rank (the straggler detector gathers host names once). Without ``run_dir``:
+        measurement only, no loggers and no profiler (parts used in a user's own loop)."""
+        t = cfg.telemetry
+        global_batch = cfg.data.batch_size * env.world_size * cfg.train.grad_accum
+        meter = Meter(global_batch, step, device, cfg.train.grad_accum, env.world_size,
+                      peak=peak_flops(device, cfg.precision, t.peak_tflops), sync_timing=t.sync_timing)
+        out = cls(meter)
+        if env.world_size > 1 and t.straggler_every_steps != 0:
+            out.detector = StragglerDetector(t.straggler_threshold)
+            out.schedule = StragglerSchedule(t.straggler_every_steps, step, cfg.train.log_every)
+        if run_dir is not None:
+            options = LoggerOptions(run_name=run_dir.name, experiment=t.experiment, mlflow_uri=t.mlflow_uri,
+                                    wandb_mode=t.wandb_mode, config=to_dict(cfg))
+            out.loggers = build_loggers(t.loggers, run_dir, options, is_main=env.is_main)
+            if t.profile_steps:
+                out.profiler = StepProfiler(run_dir / "profile", env.rank, *t.profile_steps, first_step=step,
+                                            ranks=t.profile_ranks, device=device)
+        return out
+
+    def start(self, step: int) -> None:
+        """Right before the loop: the meter's clock starts now, the profiler's schedule too."""
+        self.meter.restart(step)
+        if self.profiler is not None:
+            self.profiler.__enter__()
+
+    def after_step(self, step: int) -> None:
+        """After every optimizer step, on every rank: the profiler's schedule, and the
+        straggler gather when due (one small all-gather; the same steps on every rank)."""
+        if self.profiler is not None:
+            self.profiler.step()
+        if self.schedule is not None and self.detector is not None and self.schedule.due(step):
+            report = self.detector.gather(step, *self.meter.straggler_times(step))
+            self.schedule.done(step, report)
+            self.reports.append(report)
+            self.loggers.log(report.to_row())
+
+    def stop(self) -> None:
+        """After the loop: the profiler writes its trace (also for a window cut short)."""
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+
+    def close(self) -> None:
+        self.stop()
+        self.loggers.close()
+
+    def summary(self, step: int) -> dict[str, Any]:
+        """The run's means, the stragglers named, and (rank 0 profiled) the top-10 ops."""
+        out = self.meter.summary(step)
+        if self.reports:
+            out["straggler_max_imbalance"] = max(r.imbalance for r in self.reports)
+            out["stragglers"] = sorted({rank for r in self.reports for rank in r.stragglers})
+        if self.profiler is not None and self.profiler.top_ops:
+            out["profile_top_ops"] = [op["name"] for op in self.profiler.top_ops]
+        return out

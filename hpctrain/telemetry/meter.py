@@ -1,0 +1,229 @@
+"""Where a step's time goes, per logged interval and over the run: the step-time breakdown,
+throughput, MFU, peak memory and (NVML) GPU utilisation, power and temperature.
+
+The loop calls :meth:`Meter.lap` at each phase boundary: the time since the previous lap
+is added to that phase, so the phases of an interval add up to its wall time. A lap is
+one ``perf_counter`` read and one addition; nothing on the hot path synchronises a device.
+On a GPU the host therefore runs ahead of the device, and device time shows up in the
+phase where the host next waits (the loss read of a log row, the allocator, the data
+copy): the split between forward+backward and the optimizer step is a host-side split.
+``telemetry.sync_timing=true`` synchronises the device at every lap instead (exact
+device-side phases, at a cost in throughput).
+
+Stragglers need each rank's own compute without the wait for other ranks inside the
+gradient all-reduce, so the meter also keeps the forward time, by ``perf_counter`` on CPU
+(and under sync_timing), by CUDA events read only at interval ends on GPUs.
+
+Windows (log rows, straggler gathers) are differences of cumulative totals, so two
+windows of different lengths cost nothing extra per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpctrain.telemetry.flops import Peak, train_step_flops
+from hpctrain.telemetry.gpu import GpuMonitor
+
+log = logging.getLogger("hpctrain")
+
+# Phases, as list indices: the hot path adds to a list slot, no dict lookups.
+DATA, FORWARD, BACKWARD, OPTIM, CKPT, EVAL, OTHER = range(7)
+_N_PHASES = 7
+# The row's breakdown columns (seconds per optimizer step), as hpctrain report reads them.
+_COLUMNS = {"time_data_s": (DATA,), "time_fwd_bwd_s": (FORWARD, BACKWARD), "time_optim_s": (OPTIM,),
+            "time_ckpt_s": (CKPT,), "time_eval_s": (EVAL,), "time_other_s": (OTHER,)}
+
+
+@dataclass
+class _Mark:
+    """The cumulative totals at a window's start."""
+
+    time: float
+    step: int
+    seconds: list[float]
+    forward: float
+
+
+@dataclass
+class Meter:
+    """Create once before the loop (``step``: the optimizer steps already done, after a resume).
+
+    ``global_batch``: samples per optimizer step over all ranks; ``grad_accum`` and
+    ``world_size`` turn a micro-batch's token count into tokens per step; ``peak``: the
+    device's peak FLOP/s (None: no MFU)."""
+
+    global_batch: int
+    step: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    grad_accum: int = 1
+    world_size: int = 1
+    peak: Peak | None = None
+    sync_timing: bool = False
+    step_flops: int | None = None       # one rank's FLOPs per optimizer step (counted on the first batch)
+    tokens_per_step: int | None = None  # over all ranks, when the batch says how many tokens it holds
+
+    def __post_init__(self) -> None:
+        cuda = self.device.type == "cuda"
+        self._sync = self.sync_timing and cuda
+        self._events = _ForwardEvents() if cuda and not self._sync else None
+        self._gpu = GpuMonitor.open(self.device)
+        self._seconds = [0.0] * _N_PHASES
+        self._forward_device = 0.0  # seconds of forward read from CUDA events so far
+        self._mem_peak = 0.0
+        self._warned = False
+        self.counted = False
+        self.restart(self.step)
+
+    def restart(self, step: int) -> None:
+        """Start the clock (again) now, e.g. right before the loop, after the set-up."""
+        self.step = step
+        self._last = time.perf_counter()
+        self._start = self._mark()
+        self._log_mark = self._straggler_mark = self._start
+
+    # ---------------------------------------------------------------- the hot path
+
+    def lap(self, phase: int) -> None:
+        """The time since the previous lap was spent in ``phase``."""
+        if self._sync:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self._seconds[phase] += now - self._last
+        self._last = now
+        if self._events is not None:
+            self._events.mark(phase)
+
+    def first_batch(self, model: nn.Module, batch: Any, tokens: int | None = None) -> None:
+        """Once, on the first micro-batch: FLOPs per step (on meta: no compute) and the tokens
+        per step, from ``tokens`` (this rank's tokens in the micro-batch; a token-level task
+        knows them) or else the batch's ``num_tokens`` attribute, if it has one."""
+        self.counted = True
+        try:
+            self.step_flops = train_step_flops(model, batch.inputs, grad_accum=self.grad_accum)
+        except Exception as err:  # noqa: BLE001 - an uncountable model only loses its MFU
+            log.warning("cannot count the model's FLOPs (%s: %s): MFU is not reported", type(err).__name__, err)
+        tokens = tokens if tokens is not None else getattr(batch, "num_tokens", None)
+        if tokens is not None:
+            self.tokens_per_step = int(tokens) * self.grad_accum * self.world_size
+        self.lap(OTHER)
+
+    # ---------------------------------------------------------------- windows
+
+    def interval(self, step: int) -> dict[str, float]:
+        """The metrics row's measurements since the previous call."""
+        now = self._mark(step)
+        row = self._window(self._log_mark, now)
+        self._log_mark = now
+        row |= self._memory()
+        if self._gpu is not None:
+            row |= self._gpu.sample()
+        return row
+
+    def straggler_times(self, step: int) -> tuple[float, float, float]:
+        """(step, data wait, own compute) seconds per step since the previous call: what
+        :class:`~hpctrain.telemetry.stragglers.StragglerDetector` gathers."""
+        now = self._mark(step)
+        prev, self._straggler_mark = self._straggler_mark, now
+        steps = max(now.step - prev.step, 1)
+        return ((now.time - prev.time) / steps, (now.seconds[DATA] - prev.seconds[DATA]) / steps,
+                (now.forward - prev.forward) / steps)
+
+    def summary(self, step: int) -> dict[str, Any]:
+        """The run's means (this process's part of it, after a resume)."""
+        out: dict[str, Any] = self._window(self._start, self._mark(step))
+        out["mem_peak_gb"] = max(self._mem_peak, self._memory()["mem_peak_gb"])
+        out["step_flops"] = self.step_flops
+        out["peak_tflops"] = self.peak.flops / 1e12 if self.peak is not None else None
+        out["peak_source"] = self.peak.source if self.peak is not None else None
+        return out
+
+    @property
+    def log_step(self) -> int:
+        """The step of the previous log row (or of the start)."""
+        return self._log_mark.step
+
+    @property
+    def data_wait_seconds(self) -> float:
+        return self._seconds[DATA]
+
+    def _mark(self, step: int | None = None) -> _Mark:
+        if self._events is not None:
+            self._forward_device += self._events.collect()
+        forward = self._forward_device if self._events is not None else self._seconds[FORWARD]
+        return _Mark(time.perf_counter(), self.step if step is None else step, list(self._seconds), forward)
+
+    def _window(self, start: _Mark, end: _Mark) -> dict[str, Any]:
+        wall = max(end.time - start.time, 1e-9)
+        steps = end.step - start.step
+        per_step = max(steps, 1)
+        spent = [b - a for a, b in zip(start.seconds, end.seconds)]
+        row: dict[str, Any] = {"samples_per_s": steps * self.global_batch / wall, "data_wait_share": spent[DATA] / wall}
+        row |= {name: sum(spent[p] for p in phases) / per_step for name, phases in _COLUMNS.items()}
+        if self.tokens_per_step is not None:
+            row["tokens_per_s"] = steps * self.tokens_per_step / wall
+        training = wall - spent[EVAL]  # validation FLOPs are not counted, so neither is its time
+        if self.step_flops and self.peak is not None and steps and training > 0:
+            row["mfu"] = self._mfu(self.step_flops * steps / training, self.peak)
+        return row
+
+    def _mfu(self, flops_per_s: float, peak: Peak) -> float:
+        value = flops_per_s / peak.flops
+        if value > 1.0 and not self._warned:  # once, not on every row
+            self._warned = True
+            log.warning("MFU %.2f > 1: the peak (%s) is too low for this device; hint: set telemetry.peak_tflops",
+                        value, peak.source)
+        return value
+
+    def _memory(self) -> dict[str, float]:
+        """Peak since the previous call: CUDA max allocated (reset each time) on GPUs, the
+        process's peak resident set on CPU (never reset: the kernel keeps the maximum)."""
+        host = _rss_peak_gb()
+        if self.device.type == "cuda":
+            device_peak = torch.cuda.max_memory_allocated(self.device) / 1e9
+            torch.cuda.reset_peak_memory_stats(self.device)
+            out = {"mem_peak_gb": device_peak, "mem_rss_gb": host}
+        else:
+            out = {"mem_peak_gb": host}
+        self._mem_peak = max(self._mem_peak, out["mem_peak_gb"])
+        return out
+
+
+def _rss_peak_gb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes on macOS, KiB on Linux
+
+
+class _ForwardEvents:
+    """CUDA events around each forward pass (the lap that ends DATA starts one, FORWARD's
+    lap ends it), read only at interval ends. Recording an event does not synchronise."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._used = 0
+
+    def mark(self, phase: int) -> None:
+        if phase == DATA:
+            if self._used == len(self._pairs):
+                self._pairs.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self._pairs[self._used][0].record()
+        elif phase == FORWARD:
+            self._pairs[self._used][1].record()
+            self._used += 1
+
+    def collect(self) -> float:
+        """Seconds of forward passes recorded since the last call (waits for the last one)."""
+        if not self._used:
+            return 0.0
+        self._pairs[self._used - 1][1].synchronize()
+        total = sum(start.elapsed_time(end) for start, end in self._pairs[: self._used]) / 1e3
+        self._used = 0
+        return total

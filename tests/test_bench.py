@@ -1,0 +1,169 @@
+"""``hpctrain bench NAME --quick``: every case runs at its reduced size and writes its JSON and
+PNG with the expected fields, and states the hardware. No timing is asserted: the figures
+of a 2-core shared machine say nothing; the structure, the exact bookkeeping and the
+behaviour do."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hpctrain.bench.runner import RunStats, Steps, launch, steady
+from hpctrain.bench.scaling import plan, table_rows
+from hpctrain.bench.strategies import missing_support
+from hpctrain.cli import main
+from hpctrain.errors import RunError
+
+pytest.importorskip("matplotlib", reason="hpctrain bench draws with matplotlib (the bench extra)")
+Image = pytest.importorskip("PIL.Image", reason="pillow checks the PNGs")
+
+HARDWARE = {"cpu", "cores", "gpus", "torch", "hpctrain", "load_avg_1m", "load_avg_1m_end"}
+ROW_KEYS = {
+    "baseline": {"loop", "samples_per_s", "step_ms", "seconds"},
+    "amp": {"precision", "samples_per_s", "speedup", "peak_mem_gb", "loss"},
+    "workers": {"workers", "samples_per_s", "data_wait_share", "peak_mem_gb"},
+    "batch": {"batch", "samples_per_s", "step_ms", "peak_mem_gb"},
+    "checkpoint": {"operation", "method", "GBps", "vs_dd"},
+    "scaling": {"ranks", "plain_samples_per_s", "hpctrain_samples_per_s", "plain_speedup", "hpctrain_speedup",
+                "plain_efficiency", "hpctrain_efficiency"},
+    "strategies": {"strategy", "tokens_per_s", "mem_max_gb", "mem_per_rank_gb"},
+}
+
+
+def _bench(name: str, out, capsys) -> tuple[dict, str]:
+    assert main(["bench", name, "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads((out / f"{name}.json").read_text())
+    with Image.open(out / f"{name}.png") as img:
+        img.verify()
+        assert img.format == "PNG" and img.size[0] > 300 and img.size[1] > 200
+    assert doc["case"] == name and doc["command"] == f"hpctrain bench {name} --quick --out {out}"
+    assert HARDWARE <= set(doc["hardware"]) and doc["hardware"]["cores"] >= 1
+    assert doc["hardware"]["cpu"] in printed and doc["hardware"]["torch"] in printed  # the hardware is stated
+    assert doc["rows"] and all(ROW_KEYS[name] <= set(row) for row in doc["rows"])
+    assert doc["columns"] and set(doc["columns"]) <= set(doc["rows"][0])
+    assert not (out / f"{name}-work").exists()  # scratch removed after a run that worked
+    return doc, printed
+
+
+def _finite_positive(*values: float) -> bool:
+    return all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in values)
+
+
+def test_baseline_same_weights_both_loops(tmp_path, capsys):
+    doc, printed = _bench("baseline", tmp_path, capsys)
+    assert [r["loop"] for r in doc["rows"]] == ["plain PyTorch loop", "hpctrain"]
+    assert doc["summary"]["weights_equal"] is True  # same start, same batches: bitwise the same weights
+    assert _finite_positive(doc["summary"]["time_ratio_hpctrain_vs_plain"], *(r["samples_per_s"] for r in doc["rows"]))
+    assert "plain PyTorch loop" in printed and "samples/s" in printed
+
+
+def test_amp_precisions(tmp_path, capsys):
+    doc, _ = _bench("amp", tmp_path, capsys)
+    expected = ["fp32", "bf16", "fp16"] if doc["hardware"]["gpus"] else ["fp32", "bf16"]
+    assert [r["precision"] for r in doc["rows"]] == expected
+    assert doc["rows"][0]["speedup"] == 1.0
+    assert all(_finite_positive(r["samples_per_s"], r["peak_mem_gb"], r["loss"]) for r in doc["rows"])
+
+
+def test_workers_counts(tmp_path, capsys):
+    doc, _ = _bench("workers", tmp_path, capsys)
+    assert [r["workers"] for r in doc["rows"]] == [0, 1]
+    assert all(0.0 <= r["data_wait_share"] < 1.0 for r in doc["rows"])
+
+
+def test_batch_sizes(tmp_path, capsys):
+    doc, _ = _bench("batch", tmp_path, capsys)
+    assert [r["batch"] for r in doc["rows"]] == doc["settings"]["batch_sizes"] == [4, 16]
+    assert all(r["step_ms"] == pytest.approx(r["batch"] / r["samples_per_s"] * 1e3) for r in doc["rows"])
+
+
+def test_checkpoint_against_dd(tmp_path, capsys):
+    doc, _ = _bench("checkpoint", tmp_path, capsys)
+    ops = [(r["operation"], r["method"]) for r in doc["rows"]]
+    assert ("write", "dd oflag=direct") in ops and ("read", "dd iflag=direct") in ops
+    assert ("write", "hpctrain") in ops and ("read", "hpctrain verify + load, one pass") in ops
+    assert all(r["vs_dd"] == 1.0 for r in doc["rows"] if r["method"].startswith("dd"))
+    assert _finite_positive(doc["summary"]["hpctrain_save_vs_dd"], doc["summary"]["hpctrain_load_vs_dd"])
+    assert doc["details"]["state_bytes"] > 0
+
+
+def test_scaling_one_and_two_ranks_hpctrain_and_plain_ddp(tmp_path, capsys):
+    doc, _ = _bench("scaling", tmp_path, capsys)
+    ranks = [r["ranks"] for r in doc["rows"]]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+    assert ranks == list(range(1, (gpus or max(2, min(os.cpu_count() or 1, 8))) + 1))  # one rank per GPU
+    first, last = doc["rows"][0], doc["rows"][-1]
+    assert first["plain_efficiency"] == first["hpctrain_efficiency"] == 1.0  # each loop against itself
+    assert last["hpctrain_efficiency"] == pytest.approx(last["hpctrain_samples_per_s"]
+                                                        / first["hpctrain_samples_per_s"] / last["ranks"])
+    assert doc["summary"]["goal_hpctrain_efficiency_ge_plain"] == (last["hpctrain_efficiency"]
+                                                                  >= last["plain_efficiency"])
+
+
+def test_strategies_runs_or_says_what_it_needs(tmp_path, capsys):
+    one_gpu = torch.cuda.is_available() and torch.cuda.device_count() < 2
+    if missing_support() is None and not one_gpu:
+        doc, _ = _bench("strategies", tmp_path, capsys)
+        assert [r["strategy"] for r in doc["rows"]] == ["ddp", "zero1", "fsdp"]
+        assert all(len(r["mem_per_rank_gb"]) == doc["settings"]["ranks"] >= 2 for r in doc["rows"])
+        assert all(_finite_positive(r["tokens_per_s"], *r["mem_per_rank_gb"]) for r in doc["rows"])
+        return
+    assert main(["bench", "strategies", "--quick", "--out", str(tmp_path)]) == 2
+    needs = "needs parallel.strategy support (issue 10)" if missing_support() else "needs 2 or more GPUs"
+    assert needs in capsys.readouterr().err
+    assert not (tmp_path / "strategies.json").exists() and not (tmp_path / "strategies-work").exists()
+
+
+# ---------------------------------------------------------------- the bookkeeping, without runs
+
+
+def test_steady_rate_leaves_out_the_warmup_interval_and_weights_by_time():
+    rows = [{"step": 2, "samples_per_s": 1.0},  # warm-up: not counted
+            {"step": 4, "samples_per_s": 100.0}, {"step": 8, "samples_per_s": 50.0}]
+    # 2 steps at 100/s and 4 steps at 50/s (batch b): 6b samples in (2b/100 + 4b/50) s
+    assert steady(rows, "samples_per_s") == pytest.approx(6 / (2 / 100 + 4 / 50))
+    shares = [{"step": 2, "data_wait_share": 0.9}, {"step": 4, "data_wait_share": 0.1},
+              {"step": 8, "data_wait_share": 0.4}]
+    assert steady(shares, "data_wait_share") == pytest.approx((2 * 0.1 + 4 * 0.4) / 6)
+    with pytest.raises(RunError, match="needs 2 or more"):
+        steady(rows[:1], "samples_per_s")
+
+
+def test_steps_must_be_whole_log_intervals():
+    assert Steps(2, 6).total == 8
+    for warmup, measured in ((0, 4), (3, 4), (4, 2)):
+        with pytest.raises(ValueError, match="multiple of warmup"):
+            Steps(warmup, measured)
+
+
+def test_scaling_alternates_which_loop_goes_first():
+    order = plan([1, 2], repeats=2)
+    assert order == [(1, "plain"), (1, "hpctrain"), (2, "hpctrain"), (2, "plain"),
+                     (1, "hpctrain"), (1, "plain"), (2, "plain"), (2, "hpctrain")]
+    stats = {(n, loop): [RunStats(rate * n, 1.0, "peak_rss")] for n in (1, 2)
+             for loop, rate in (("plain", 10.0), ("hpctrain", 12.0))}
+    rows = table_rows([1, 2], stats)
+    assert rows[1]["plain_speedup"] == rows[1]["hpctrain_speedup"] == 2.0
+    assert rows[1]["plain_efficiency"] == 1.0
+
+
+def test_a_failed_run_names_its_cause(tmp_path):
+    with pytest.raises(RunError, match="unknown key 'data.batchsize'") as err:
+        launch([sys.executable, "-m", "hpctrain.bench.child", str(tmp_path / "r"), "data.batchsize=3"],
+               tmp_path / "r.log")
+    assert str(tmp_path / "r.log") in str(err.value)
+
+
+def test_bad_options_exit_2_before_anything_runs(tmp_path, capsys):
+    assert main(["bench", "batch", "--procs", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--procs 0" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    done = subprocess.run([sys.executable, "-m", "hpctrain", "bench", "nosuch"], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 2 and "invalid choice: 'nosuch'" in done.stderr

@@ -1,0 +1,55 @@
+"""The strategies on hpctrain's own GPT (hpctrain.models.gpt, tied embeddings by default) vs one
+process: FSDP ZeRO-3, dp2 x tp2, meta-device init, and pipeline 1F1B (untied, with the
+None-skipping forward the pipeline contract asks for, see hpctrain/parallel/pipeline.py)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import pytest
+
+from tests.dist_utils import run_ranks
+from tests.sharding_models import max_diff, train_pp, train_toy
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("hpctrain.models.gpt") is None,
+                                reason="hpctrain.models.gpt is not there yet")
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model: str, steps: int = 10) -> dict:
+    return run_ranks(1, train_toy, {}, steps, 4, 1e-2, 0.0, model)[0]
+
+
+def _check(result: dict, ref: dict) -> None:
+    assert max(abs(a - b) for a, b in zip(result["losses"], ref["losses"])) <= 1e-5
+    assert max_diff(result["grads0"], ref["grads0"]) <= 1e-6
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
+def test_gpt_fsdp_zero3_matches_one_process():
+    _check(run_ranks(2, train_toy, {"strategy": "fsdp"}, 10, 4, 1e-2, 0.0, "gpt")[0], _reference("gpt"))
+
+
+def test_gpt_dp2_x_tp2_matches_one_process():
+    _check(run_ranks(4, train_toy, {"strategy": "fsdp", "tp": 2}, 10, 4, 1e-2, 0.0, "gpt")[0], _reference("gpt"))
+
+
+def test_gpt_meta_init_equals_one_process_init_bitwise():
+    ranks = run_ranks(2, train_toy, {"strategy": "fsdp", "meta_init": True}, 0, 4, 1e-2, 0.0, "gpt")
+    assert max_diff(ranks[0]["weights"], _reference("gpt", 0)["weights"]) == 0.0
+
+
+def test_gpt_pp2_1f1b_matches_one_process():
+    ranks = run_ranks(2, train_pp, {"pp": 2, "microbatches": 4}, 10, 1, 4, 1e-2, "gpt_pipelined")
+    ref = _reference("gpt_untied")
+    assert max(abs(a - b) for a, b in zip(ranks[1]["losses"], ref["losses"])) <= 1e-5
+    assert max_diff({**ranks[0]["grads0"], **ranks[1]["grads0"]}, ref["grads0"]) <= 1e-6
+
+
+def test_tied_gpt_is_refused_by_the_pipeline():
+    from hpctrain.parallel.pipeline import stage_module
+    from tests.sharding_models import real_gpt
+
+    with pytest.raises(ValueError, match="share weights"):
+        stage_module(real_gpt(4, tie_weights=True), 0, 2)

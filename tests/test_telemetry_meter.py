@@ -1,0 +1,174 @@
+"""The meter: the step-time breakdown, MFU and memory in metrics rows and the summary; the
+straggler schedule; the telemetry config section. Behaviour only, never timings."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctrain.config import ConfigError, load_config
+from hpctrain.data import build_data
+from hpctrain.env import ClusterEnv
+from hpctrain.telemetry.flops import Peak
+from hpctrain.telemetry.meter import BACKWARD, DATA, EVAL, FORWARD, OPTIM, Meter
+from hpctrain.telemetry.runs import BREAKDOWN
+from hpctrain.telemetry.stragglers import RankScore, StragglerReport, StragglerSchedule
+from hpctrain.train import build_components, fit, train
+
+CPU = torch.device("cpu")
+BASE = ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
+        "data.batch_size=16", "train.progress=false", "train.log_every=4", "data.max_val_samples=32",
+        "train.threads=1"]
+
+
+@pytest.fixture(autouse=True)
+def _probe_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU peak probe caches under $XDG_CACHE_HOME: keep it out of the home directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@dataclass
+class _TokenBatch:
+    inputs: torch.Tensor
+    num_tokens: int
+
+
+def test_laps_fill_the_breakdown_and_mfu_of_a_row():
+    meter = Meter(global_batch=8, step=0, grad_accum=2, world_size=2, peak=Peak(1e15, "test"))
+    model = torch.nn.Linear(4, 3)
+    meter.first_batch(model, _TokenBatch(torch.randn(2, 4), num_tokens=10))
+    assert meter.step_flops == 3 * 2 * 2 * 4 * 3 * 2  # 3 x forward (2 FLOPs per MAC) x 2 micro-batches
+    assert meter.tokens_per_step == 10 * 2 * 2
+    for phase in (DATA, FORWARD, BACKWARD, DATA, FORWARD, BACKWARD, OPTIM):
+        time.sleep(0.001)
+        meter.lap(phase)
+    row = meter.interval(1)
+    assert set(BREAKDOWN) <= set(row) and "time_other_s" in row
+    assert row["time_fwd_bwd_s"] > 0 and row["time_data_s"] > 0 and row["time_optim_s"] > 0
+    assert row["time_eval_s"] == 0 and row["time_ckpt_s"] == 0
+    assert 0 < row["mfu"] <= 1 and row["samples_per_s"] > 0 and row["tokens_per_s"] > 0
+    assert 0 < row["data_wait_share"] < 1 and row["mem_peak_gb"] > 0
+    step_s, data_s, compute_s = meter.straggler_times(1)
+    assert step_s >= data_s + compute_s > 0 and data_s > 0
+
+
+def test_windows_are_independent_and_the_summary_covers_the_run():
+    meter = Meter(global_batch=4, step=10)
+    time.sleep(0.002)
+    meter.lap(FORWARD)
+    first = meter.interval(11)
+    time.sleep(0.002)
+    meter.lap(EVAL)
+    second = meter.interval(12)
+    assert first["time_eval_s"] == 0 and second["time_eval_s"] > 0 and second["time_fwd_bwd_s"] == 0
+    assert "mfu" not in first  # no peak, no FLOPs: no MFU rather than a wrong one
+    _, _, compute_s = meter.straggler_times(12)  # its own window: both laps since the start
+    assert compute_s > 0
+    summary = meter.summary(12)
+    assert summary["time_fwd_bwd_s"] > 0 and summary["time_eval_s"] > 0 and summary["mem_peak_gb"] > 0
+
+
+def test_a_model_the_counter_cannot_run_only_loses_its_mfu(caplog):
+    class Broken(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("no")
+
+    meter = Meter(global_batch=4, step=0, peak=Peak(1e12, "test"))
+    meter.first_batch(Broken(), _TokenBatch(torch.randn(2, 4), 1))
+    assert meter.step_flops is None and "MFU is not reported" in caplog.text
+    assert "mfu" not in meter.interval(1)
+
+
+def test_fit_rows_carry_the_breakdown_and_a_cpu_mfu_in_range():
+    cfg = load_config(None, [*BASE, "train.max_steps=8", "train.eval_each_epoch=false"])
+    env = ClusterEnv()
+    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU, with_val=False))
+    result = fit(cfg, env, CPU, parts)
+    tel = result.telemetry
+    assert 0 < tel["mfu"] <= 1 and tel["step_flops"] > 0 and tel["peak_tflops"] > 0
+    assert "matmul probe" in tel["peak_source"]
+    assert tel["time_fwd_bwd_s"] > 0 and tel["mem_peak_gb"] > 0
+    assert result.data_wait_seconds > 0
+
+
+def test_train_writes_breakdown_mfu_and_memory_rows_and_summary(tmp_path: Path):
+    run = tmp_path / "run"
+    summary = train(load_config(None, [*BASE, f"run.dir={run}", "train.max_steps=8"]))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [4, 8]
+    for row in train_rows:
+        assert set(BREAKDOWN) <= set(row) and 0 < row["mfu"] <= 1 and row["mem_peak_gb"] > 0
+    assert 0 < summary["mfu"] <= 1 and summary["mem_peak_gb"] > 0 and summary["samples_per_s"] > 0
+    assert all(summary[k] >= 0 for k in BREAKDOWN) and summary["time_eval_s"] > 0  # the epoch-end validation
+    assert "stragglers" not in summary  # one rank: nothing to compare
+
+
+def test_peak_override_sets_the_mfu_denominator(tmp_path: Path):
+    summary = train(load_config(None, [*BASE, f"run.dir={tmp_path / 'run'}", "train.max_steps=4",
+                                       "telemetry.peak_tflops=1e-9"]))  # 1 kFLOP/s: MFU far above 1
+    assert summary["peak_source"] == "telemetry.peak_tflops" and summary["mfu"] > 1
+
+
+def _report(step: int, step_s: float) -> StragglerReport:
+    return StragglerReport(step, 1.0, 1.2, [RankScore(0, "n", step_s, 0.0, step_s, 1.0, 1.0)])
+
+
+def test_straggler_schedule_fixed_auto_and_off():
+    fixed = StragglerSchedule(100, first_step=250, first_after=20)  # a resumed run: multiples of 100
+    hits = []
+    for step in range(250, 520):
+        if fixed.due(step):
+            hits.append(step)
+            fixed.done(step, _report(step, 0.1))
+    assert hits == [300, 400, 500]
+    auto = StragglerSchedule(None, first_step=0, first_after=20)
+    assert not auto.due(19) and auto.due(20)
+    auto.done(20, _report(20, 0.5))  # 0.5 s per step: about once a minute = every 120 steps
+    assert auto.next == 140
+    auto.done(140, _report(140, 120.0))  # slower than a minute per step: every step
+    assert auto.next == 141
+    off = StragglerSchedule(0, first_step=0, first_after=20)
+    assert not any(off.due(s) for s in range(1000))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("telemetry.loggers=[jsonl,tensorbord]", "tensorbord"),
+    ("telemetry.profile_steps=[5]", "start, count"),
+    ("telemetry.profile_steps=[5,0]", "count >= 1"),
+    ("telemetry.straggler_threshold=0.9", "straggler_threshold"),
+    ("telemetry.straggler_every_steps=-1", "straggler_every_steps"),
+    ("telemetry.wandb_mode=cloud", "wandb_mode"),
+])
+def test_bad_telemetry_config_names_the_key(override: str, message: str):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_straggler_every_steps_auto_reads_as_none():
+    assert load_config(None, ["telemetry.straggler_every_steps=auto"]).telemetry.straggler_every_steps is None
+
+
+def test_counting_flops_leaves_the_users_forward_hooks_silent():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    calls: list[str] = []
+    model.register_forward_hook(lambda *_: calls.append("outer"))
+    model[0].register_forward_pre_hook(lambda *_: calls.append("inner"))
+    Meter(global_batch=2, step=0).first_batch(model, _TokenBatch(torch.randn(2, 4), 1))
+    assert calls == []
+    model(torch.randn(2, 4))
+    assert calls == ["inner", "outer"]  # and they are back in place
+
+
+def test_tokens_given_by_the_loop_win_and_no_tokens_means_no_column():
+    meter = Meter(global_batch=4, step=0, grad_accum=3, world_size=2)
+    meter.first_batch(torch.nn.Linear(4, 2), _TokenBatch(torch.randn(2, 4), num_tokens=99), tokens=7)
+    assert meter.tokens_per_step == 7 * 3 * 2
+    plain = Meter(global_batch=4, step=0)
+    plain.first_batch(torch.nn.Linear(4, 2), type("B", (), {"inputs": torch.randn(2, 4)})())
+    assert plain.tokens_per_step is None and "tokens_per_s" not in plain.interval(1)
