@@ -11,12 +11,13 @@ import torch
 from hpctrain import env as cluster
 from hpctrain.config import Config
 from hpctrain.data import build_val_loader
+from hpctrain.data.text import text_layout
 from hpctrain.errors import UserError, agree
 from hpctrain.evaluate import evaluate, write_predictions
-from hpctrain.metrics import default_metrics
 from hpctrain.models import build_model
 from hpctrain.precision import Precision
 from hpctrain.rundir import write_json
+from hpctrain.tasks import Task, resolve_task
 
 log = logging.getLogger("hpctrain")
 
@@ -54,11 +55,12 @@ def run_eval(cfg: Config, weights: Path, out_dir: Path | None = None, prediction
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     try:
         # Every rank loads; one rank's failure fails all of them here, never in evaluate's collectives.
-        loader, num_classes, model = agree("loading the eval data and weights", lambda: _prepare(cfg, env, weights))
-        result = evaluate(model.to(device), loader, default_metrics(num_classes), env, device,
-                          Precision(cfg.precision, device), collect_predictions=predictions)
+        loader, num_classes, model, task = agree("loading the eval data and weights",
+                                                 lambda: _prepare(cfg, env, weights))
+        result = evaluate(model.to(device), loader, task.metrics(num_classes), env, device,
+                          Precision(cfg.precision, device), collect_predictions=predictions, task=task)
         report = {**result.metrics, "samples_per_s": result.samples_per_s, "world_size": env.world_size,
-                  "weights": str(weights), "split": cfg.data.val_split, "data": cfg.data.name}
+                  "weights": str(weights), "split": cfg.data.val_split, "data": cfg.data.name, "task": task.name}
         target = out_dir or weights.parent
         agree("writing the eval results", lambda: _write(report, result.predictions if predictions else None,
                                                          target) if env.is_main else None)
@@ -67,12 +69,21 @@ def run_eval(cfg: Config, weights: Path, out_dir: Path | None = None, prediction
         cluster.teardown()
 
 
-def _prepare(cfg: Config, env: cluster.ClusterEnv, weights: Path) -> tuple[Any, int, torch.nn.Module]:
+def _prepare(cfg: Config, env: cluster.ClusterEnv, weights: Path) -> tuple[Any, int, torch.nn.Module, Task]:
     loader, data_classes, input_shape = build_val_loader(cfg, env)
+    task = resolve_task(cfg.train.task, _data_task(cfg, loader), cfg.data.name)
     num_classes = cfg.model.num_classes or data_classes
-    model = build_model(cfg.model.name, num_classes, input_shape=input_shape)
+    model = build_model(cfg.model.name, num_classes, input_shape=input_shape, input_dtype=task.input_dtype,
+                        config=cfg.model)
     load_weights(model, weights)
-    return loader, num_classes, model
+    return loader, num_classes, model, task
+
+
+def _data_task(cfg: Config, loader: Any) -> str:
+    """What the evaluation data is for: causal_lm for text shards (their manifest says so)."""
+    index = getattr(loader, "index", None)  # shard loaders only
+    text = index is not None and text_layout(index.root, cfg.data.val_split) is not None
+    return "causal_lm" if text else "classification"
 
 
 def _write(report: dict[str, Any], predictions: list[dict[str, Any]] | None, target: Path) -> None:
@@ -85,5 +96,5 @@ def _write(report: dict[str, Any], predictions: list[dict[str, Any]] | None, tar
     except OSError as err:
         raise EvalOutputError(f"cannot write the eval results to {target}: {err}; hint: pass --out DIR "
                               "(a writable directory)") from err
-    log.info("eval: count %d  correct %d  accuracy %.4f  loss %.4f -> %s", report["count"],
-             report["correct"], report["accuracy"], report["loss"], target / "eval.json")
+    shown = ("count", "tokens", "correct", "accuracy", "loss", "perplexity")
+    log.info("eval: %s -> %s", "  ".join(f"{k} {report[k]:.6g}" for k in shown if k in report), target / "eval.json")

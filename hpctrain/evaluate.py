@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -27,6 +26,7 @@ from hpctrain.data.sources import Batch
 from hpctrain.env import ClusterEnv, collective_device
 from hpctrain.metrics import EvalOutput, Metric
 from hpctrain.precision import Precision
+from hpctrain.tasks import Classification, Task
 
 
 @dataclass
@@ -44,8 +44,10 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], env: ClusterEnv,
              device: torch.device, precision: Precision | None = None,
-             collect_predictions: bool = False) -> EvalResult:
-    """Run ``metrics`` over ``loader`` on every rank and return the global values on every rank."""
+             collect_predictions: bool = False, task: Task | None = None) -> EvalResult:
+    """Run ``metrics`` over ``loader`` on every rank and return the global values on every rank.
+    ``task`` (default: classification) runs the forward and turns it into per-target losses."""
+    task = task or Classification()
     start = time.perf_counter()
     net = model.module if isinstance(model, DistributedDataParallel) else model  # no DDP syncs in eval
     was_training = net.training
@@ -55,7 +57,7 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
     predictions: list[dict[str, Any]] = []
     try:
         for batch in _lockstep(loader, env, device):
-            out = _forward(net, batch.to(device), precision)
+            out = task.eval_step(net, batch.to(device), precision)
             if out is None:
                 continue
             for metric in metrics:
@@ -95,33 +97,14 @@ def _all_reduce_max(value: int, env: ClusterEnv, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def _forward(net: nn.Module, batch: Batch, precision: Precision | None) -> EvalOutput | None:
-    with precision.autocast() if precision else torch.autocast("cpu", enabled=False):
-        logits = net(batch.inputs)
-    logits = logits.float()
-    keep = batch.mask
-    if keep is not None:
-        if not bool(keep.any()):
-            return None
-        logits, targets = logits[keep], batch.targets[keep]
-        keys = _select(batch.keys, keep)
-    else:
-        targets, keys = batch.targets, batch.keys
-    losses = F.cross_entropy(logits, targets, reduction="none").double()
-    return EvalOutput(logits, targets, losses, keys)
-
-
-def _select(keys: torch.Tensor | list[str], keep: torch.Tensor) -> torch.Tensor | list[str]:
-    if isinstance(keys, torch.Tensor):
-        return keys[keep.cpu()]
-    return [k for k, m in zip(keys, keep.tolist()) if m]
-
-
 def _prediction_rows(out: EvalOutput) -> list[dict[str, Any]]:
+    """One row per sample; for a token task the prediction and target are token lists and
+    the loss is the sample's mean over its tokens."""
     keys = out.keys.tolist() if isinstance(out.keys, torch.Tensor) else list(out.keys)
     preds = out.logits.argmax(-1).tolist()
+    losses = out.losses.flatten(1).mean(1) if out.losses.dim() > 1 else out.losses
     return [{"key": k, "prediction": p, "target": t, "loss": loss}
-            for k, p, t, loss in zip(keys, preds, out.targets.tolist(), out.losses.tolist())]
+            for k, p, t, loss in zip(keys, preds, out.targets.tolist(), losses.tolist())]
 
 
 def _merge(metrics: Sequence[Metric], env: ClusterEnv) -> dict[str, Any]:

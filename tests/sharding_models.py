@@ -305,3 +305,15 @@ def scaler_step(env, inf_on_rank: int | None) -> dict:
     scaler.update()
     return {"changed": max_diff(before, full_state(model)) > 0, "scale": (scale, float(scaler.get_scale())),
             "weights": full_state(model)}
+
+
+def compiled_grads(env, overrides: dict) -> dict[str, torch.Tensor]:
+    """Step-0 gradients of the toy GPT built with ``compile=True`` (per block, after checkpointing)."""
+    from hpctrain.parallel import build_parallel
+    from hpctrain.parallel.config import ParallelConfig
+
+    model = build_parallel(toy_gpt, env, ParallelConfig(**overrides), device=torch.device("cpu"), seed=0, compile=True)
+    inputs, targets = token_batches(1, GLOBAL_BATCH)[0]
+    part = slice(env.rank * GLOBAL_BATCH // env.world_size, (env.rank + 1) * GLOBAL_BATCH // env.world_size)
+    lm_loss(model(inputs[part]), targets[part]).backward()
+    return full_grads(model)

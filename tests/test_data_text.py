@@ -14,7 +14,7 @@ import torch
 from hpctrain.cli import main
 from hpctrain.config import load_config
 from hpctrain.data import build_data
-from hpctrain.data.foreign import cache_root
+from hpctrain.cache import cache_root
 from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
 from hpctrain.data.shards import ShardError
 from hpctrain.data.sources import DataMissingError

@@ -120,3 +120,21 @@ def test_usr1_to_the_process_group_saves_exits_3_leaves_nothing_and_resumes_bit_
     got, want = (json.loads((d / "summary.json").read_text()) for d in (run_dir, reference))
     assert got["steps"] == want["steps"] == 64
     assert got["params_sha256"] == want["params_sha256"]
+
+
+def test_options_this_torch_lacks_are_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster's torch may predate --shutdown-timeout (2.11 has none): leave it out, never fail."""
+    from hpctrain.launch import local
+
+    monkeypatch.setattr(local, "torchrun_accepts", lambda option: option != "--shutdown-timeout")
+    args = torchrun_args(2, ["train"], signals=["SIGUSR1"])
+    assert not any(a.startswith("--shutdown-timeout") for a in args)
+    assert any(a.startswith("--signals-to-handle=") for a in args)
+    assert local.get_args_parser().parse_args(args)  # what is left parses
+
+
+def test_this_torchs_parser_is_asked_not_its_version() -> None:
+    from hpctrain.launch.local import torchrun_accepts
+
+    assert torchrun_accepts("--nproc-per-node")
+    assert torchrun_accepts("--shutdown-timeout")  # torch 2.13 (the CI wheel) has it

@@ -3,7 +3,6 @@ Shakespeare and evaluates it exactly at any world size."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import shutil
 from pathlib import Path
@@ -22,13 +21,28 @@ from hpctrain.evaluate import evaluate
 from hpctrain.metrics import EvalOutput
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.tasks import CausalLM, Classification, Task, TokenMetrics, build_task
-from hpctrain.train import batch_loss
 from tests.dist_utils import run_ranks
 from tests.test_data_text import SDIST, needs_sdist
 
-evaluate_module = importlib.import_module("hpctrain.evaluate")  # the module: hpctrain.evaluate is also a function
 CPU = torch.device("cpu")
 TINY = GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4)
+
+
+def batch_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The loop's loss before tasks existed (train.batch_loss), kept as the reference."""
+    if batch.mask is None:
+        return F.cross_entropy(logits, batch.targets)
+    losses = F.cross_entropy(logits, batch.targets, reduction="none")
+    return (losses * batch.mask).sum() / batch.mask.sum().clamp_min(1)
+
+
+def _forward_before_tasks(net: torch.nn.Module, batch: Batch) -> EvalOutput:
+    """evaluate()'s per-batch step before tasks existed (evaluate._forward), kept as the reference."""
+    keep = batch.mask
+    assert keep is not None
+    logits = net(batch.inputs).float()[keep]
+    targets, keys = batch.targets[keep], [k for k, m in zip(batch.keys, keep.tolist()) if m]
+    return EvalOutput(logits, targets, F.cross_entropy(logits, targets, reduction="none").double(), keys)
 
 
 def _masked_batch(inputs: torch.Tensor, targets: torch.Tensor) -> Batch:
@@ -58,7 +72,7 @@ def test_classification_eval_step_is_evaluates_forward():
     torch.manual_seed(0)
     net = torch.nn.Linear(6, 4)
     batch = _masked_batch(torch.randn(8, 6), torch.randint(0, 4, (8,)))
-    mine, theirs = Classification().eval_step(net, batch, None), evaluate_module._forward(net, batch, None)
+    mine, theirs = Classification().eval_step(net, batch, None), _forward_before_tasks(net, batch)
     assert mine is not None and theirs is not None
     for field in ("logits", "targets", "losses"):
         assert torch.equal(getattr(mine, field), getattr(theirs, field))
@@ -131,18 +145,15 @@ def _corpus_shards(root: Path) -> Path:
 
 
 def _eval_lm(env: ClusterEnv, shards: str) -> dict:
-    """evaluate() on a spawned rank, its per-batch step replaced by the task's: the one change
-    evaluate.py needs (docs/models.md). In-process callers patch with monkeypatch instead."""
+    """evaluate() with the causal_lm task on one (spawned) rank."""
     task = CausalLM()
-    evaluate_module._forward = task.eval_step
     torch.manual_seed(0)
     loader = ShardedEvalLoader(shards, env, 4, split="val", transform=tokens_of)
-    return evaluate(GPT(TINY), loader, task.metrics(256), env, CPU).metrics
+    return evaluate(GPT(TINY), loader, task.metrics(256), env, CPU, task=task).metrics
 
 
-def test_lm_metrics_are_the_same_at_1_and_3_ranks(tmp_path, monkeypatch):
+def test_lm_metrics_are_the_same_at_1_and_3_ranks(tmp_path):
     shards = str(_corpus_shards(tmp_path))
-    monkeypatch.setattr(evaluate_module, "_forward", evaluate_module._forward)  # restored after the test
     truth = _eval_lm(ClusterEnv(), shards)
     assert truth["count"] > 9 and truth["tokens"] == truth["count"] * TINY.seq_len
     assert 4.0 < truth["loss"] < 7.0  # an untrained model: about ln(256) = 5.55 per token
@@ -178,6 +189,5 @@ def test_a_hand_loop_trains_the_gpt_on_shakespeare(tmp_path, monkeypatch):
     assert losses[0] > 5.0  # ln(256) = 5.55: uniform over bytes at the start
     assert sum(losses[-5:]) / 5 < 3.8, losses
     val = ShardedEvalLoader(tmp_path / "s", ClusterEnv(), 64, split="val", transform=tokens_of, max_samples=256)
-    monkeypatch.setattr(evaluate_module, "_forward", task.eval_step)
-    metrics = evaluate(model, val, task.metrics(256), ClusterEnv(), CPU).metrics
+    metrics = evaluate(model, val, task.metrics(256), ClusterEnv(), CPU, task=task).metrics
     assert metrics["loss"] < 3.8 and metrics["perplexity"] < 45 and metrics["accuracy"] > 0.1, metrics

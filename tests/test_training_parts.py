@@ -179,24 +179,37 @@ def test_best_metric_direction_and_unknown_name():
     from hpctrain.train import _improved
 
     row = {"step": 5, "val_loss": 0.3, "val_accuracy": 0.9}
-    acc = load_config(None, [])
-    assert _improved(acc, row, {}) and not _improved(acc, row, {"metric": "val_accuracy", "value": 0.95})
-    loss = load_config(None, ["train.best_metric=val_loss"])  # auto: lower is better for a loss
-    assert _improved(loss, row, {"metric": "val_loss", "value": 0.4})
-    assert not _improved(loss, row, {"metric": "val_loss", "value": 0.2})
-    assert _improved(loss, row, {"metric": "val_accuracy", "value": 0.1})  # another metric's record
+    cfg = load_config(None, [])
+    acc = "val_accuracy"
+    assert _improved(cfg, acc, row, {}) and not _improved(cfg, acc, row, {"metric": acc, "value": 0.95})
+    loss = "val_loss"  # best_mode=auto: lower is better for a loss
+    assert _improved(cfg, loss, row, {"metric": loss, "value": 0.4})
+    assert not _improved(cfg, loss, row, {"metric": loss, "value": 0.2})
+    assert _improved(cfg, loss, row, {"metric": acc, "value": 0.1})  # another metric's record
     with pytest.raises(ConfigError, match="val_accuracy"):
-        _improved(load_config(None, ["train.best_metric=val_f1"]), row, {})
+        _improved(cfg, "val_f1", row, {})
+
+
+def test_best_metric_auto_follows_the_task():
+    from hpctrain.tasks import CausalLM, Classification
+    from hpctrain.train import best_metric
+
+    auto = load_config(None, [])
+    assert (best_metric(auto, Classification()), best_metric(auto, CausalLM())) == ("val_accuracy", "val_loss")
+    named = load_config(None, ["train.best_metric=val_perplexity"])
+    assert best_metric(named, CausalLM()) == "val_perplexity"
 
 
 def test_best_is_tracked_in_training():
-    from hpctrain.train import LoopResult, _validate
+    from hpctrain.telemetry.loop import Telemetry
+    from hpctrain.train import Loop, _validate
 
     cfg = load_config(None, ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny",
                              "data.synthetic_size=256", "train.progress=false", "train.best_metric=val_loss"])
     env = ClusterEnv()
     parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU))
-    result = LoopResult()
-    _validate(cfg, env, CPU, parts, None, result)
+    loop = Loop(cfg, env, CPU, parts, Telemetry.build(cfg, env, CPU, 0))
+    _validate(loop)
+    result = loop.result
     assert result.best["metric"] == "val_loss" and result.best["value"] == result.last_eval.metrics["loss"]
     assert result.last_eval.metrics["count"] == 256 // 5

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpctrain.cache import cache_root
 from hpctrain.data.nodeonce import once_per_node
 from hpctrain.data.shards import ShardError, index_existing, manifest_path, tar_stats, write_atomic
 from hpctrain.env import ClusterEnv
@@ -38,11 +39,6 @@ log = logging.getLogger("hpctrain")
 _BRACE = re.compile(r"\{([^{}]*)\}")
 LABEL_HINT = ("store the class as <key>.cls (a text integer, WebDataset's convention) or as an integer "
               "'label' in <key>.json")
-
-
-def cache_root() -> Path:
-    """``$HPCTRAIN_CACHE``, else ``~/.cache/hpctrain``: where indexes of read-only data go."""
-    return Path(os.environ.get("HPCTRAIN_CACHE") or Path.home() / ".cache" / "hpctrain")
 
 
 def expand_braces(pattern: str) -> list[str]:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpctrain.data.foreign import cache_root
+from hpctrain.cache import cache_root
 from hpctrain.data.nodeonce import once_per_node
 from hpctrain.data.shards import PackSource, ShardError, manifest_path, npy_bytes, write_shards
 from hpctrain.data.sources import DataMissingError

@@ -12,6 +12,8 @@ before torch does (a signal during the rendezvous must not kill it either).
 
 from __future__ import annotations
 
+import functools
+import logging
 import signal
 import sys
 from collections.abc import Iterable
@@ -24,6 +26,10 @@ from torch.distributed.run import get_args_parser, run
 # What torch handles by default, plus the usual preemption warnings.
 BASE_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300
+# Newer torchrun options: a cluster's own torch build may predate them (torch 2.11 has no
+# --shutdown-timeout), and an unknown option would stop torchrun before any rank starts.
+VERSIONED_OPTIONS = ("--signals-to-handle", "--shutdown-timeout")
+log = logging.getLogger("hpctrain")
 
 
 def signals_to_handle(extra: Iterable[str] = ()) -> list[str]:
@@ -43,6 +49,7 @@ def torchrun_args(nproc: int, subcommand: list[str], *, max_restarts: int = 0, n
     args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
             f"--monitor-interval={monitor_interval}", f"--signals-to-handle={','.join(signals_to_handle(signals))}",
             f"--shutdown-timeout={shutdown_timeout}"]
+    args = [a for a in args if torchrun_accepts(a.split("=", 1)[0])]
     if node_rank is not None:
         args.append(f"--node-rank={node_rank}")
     if rdzv_endpoint:
@@ -50,6 +57,24 @@ def torchrun_args(nproc: int, subcommand: list[str], *, max_restarts: int = 0, n
     else:
         args.append("--standalone")  # single node: a free port, no fixed endpoint to collide on
     return args + ["-m", "hpctrain", *subcommand]
+
+
+@functools.cache
+def torchrun_accepts(option: str) -> bool:
+    """Does this torch's torchrun know ``option``? Asked of its own parser, not its version."""
+    if option not in VERSIONED_OPTIONS:
+        return True
+    _, unknown = get_args_parser().parse_known_args([f"{option}=1", "script.py"])
+    if unknown:
+        log.warning("this torch's torchrun has no %s; %s", option, _FALLBACK[option])
+    return not unknown
+
+
+_FALLBACK = {
+    "--shutdown-timeout": "after a signal the ranks get torch's default 30 s to save before they are killed",
+    "--signals-to-handle": "only TERM/INT/HUP/QUIT reach the ranks through torch; hpctrain's own handler "
+                           "forwards the other preemption signals",
+}
 
 
 def _raise_signal(signum: int, frame: object) -> None:

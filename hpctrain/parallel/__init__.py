@@ -91,7 +91,8 @@ def build_parallel(factory: Callable[[], nn.Module], env: ClusterEnv, cfg: Paral
         torch.manual_seed(seed)
         return parallelize(factory().to(device), env, cfg, compile=compile, precision=precision)
     model = parallelize(on_meta(factory), env, cfg, compile=compile, precision=precision)
-    materialize(model, device=device, factory=factory, seed=seed)
+    # Offloaded shards live in host memory; FSDP moves each to the device when it is gathered.
+    materialize(model, device=torch.device("cpu") if cfg.cpu_offload else device, factory=factory, seed=seed)
     return model
 
 

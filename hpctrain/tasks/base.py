@@ -34,6 +34,7 @@ from hpctrain.telemetry.flops import train_step_flops
 @runtime_checkable
 class Task(Protocol):
     name: str
+    best_metric: str  # the validation metric train.best_metric=auto tracks
     input_dtype: torch.dtype  # what the model's forward takes
 
     def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...  # (inputs, targets)
@@ -48,6 +49,7 @@ class CrossEntropyTask(ABC):
     """The shared half of both tasks: forward under precision, drop padding, per-target losses."""
 
     name: str
+    best_metric: str
     input_dtype: torch.dtype
 
     @abstractmethod

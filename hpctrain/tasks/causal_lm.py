@@ -43,6 +43,7 @@ class TokenMetrics(Metric):
 
 class CausalLM(CrossEntropyTask):
     name = "causal_lm"
+    best_metric = "val_loss"  # train.best_metric=auto
     input_dtype = torch.long
 
     def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ class Classification(CrossEntropyTask):
     """inputs -> (N, C) logits; targets (N,) class ids; metrics: loss, top-1/top-5, confusion matrix."""
 
     name = "classification"
+    best_metric = "val_accuracy"  # train.best_metric=auto
     input_dtype = torch.float32
 
     def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

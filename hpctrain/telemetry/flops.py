@@ -34,6 +34,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from hpctrain.cache import cache_root
+
 log = logging.getLogger("hpctrain")
 
 BACKWARD_FACTOR = 2  # backward = 2 x forward: gradients w.r.t. inputs and w.r.t. weights
@@ -207,8 +209,7 @@ def _probe(dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
 
 
 def _default_cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "hpctrain"
+    return cache_root()
 
 
 def _read_cache(path: Path) -> dict[str, float]:
