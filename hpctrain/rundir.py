@@ -135,16 +135,22 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def save_model(model: nn.Module, path: Path) -> None:
+def save_model(model: nn.Module | dict[str, torch.Tensor], path: Path) -> None:
+    """The model's state dict (or a full one gathered from a sharded model) as one file."""
+    state = model.state_dict() if isinstance(model, nn.Module) else model
     with atomic_open(path, "wb") as fh:
-        torch.save(model.state_dict(), fh)
+        torch.save(state, fh)
 
 
-def params_sha256(model: nn.Module) -> str:
-    """sha256 of every parameter's bytes, in sorted name order: equal hashes = equal weights."""
+def params_sha256(model: nn.Module, full: dict[str, torch.Tensor] | None = None) -> str:
+    """sha256 of every parameter's bytes, in sorted name order: equal hashes = equal weights.
+    ``full``: the whole tensors by name, when ``model`` holds shards (train.full_state)."""
     digest = hashlib.sha256()
-    for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        # a gathered state names parameters without wrappers (activation checkpointing, compile)
+        tensor = param if full is None else full[name.replace("_checkpoint_wrapped_module.", "").replace(
+            "_orig_mod.", "")]
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

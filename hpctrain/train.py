@@ -10,13 +10,15 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from hpctrain import env as cluster
@@ -28,8 +30,13 @@ from hpctrain.evaluate import EvalResult, evaluate
 from hpctrain.metrics import Metric
 from hpctrain.models import build_model
 from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
-from hpctrain.parallel import parallelize, unwrap
+from hpctrain.parallel import build_parallel, unwrap
+from hpctrain.parallel.clip import clip_grad_norm_
+from hpctrain.parallel.config import SHARDED
 from hpctrain.parallel.ddp import no_sync
+from hpctrain.parallel.fsdp import FSDPModule, sharded_grad_scaler
+from hpctrain.parallel.meta import on_meta
+from hpctrain.parallel.zero import zero1_from
 from hpctrain.precision import Precision
 from hpctrain.rundir import (
     atomic_write_text,
@@ -77,6 +84,7 @@ class Components:
     metrics: list[Metric]
     counters: Counters = field(default_factory=Counters)
     task: Task = field(default_factory=Classification)  # split, loss and metrics (hpctrain.tasks)
+    flops_model: nn.Module | None = None  # the whole model on meta, to count FLOPs when ``model`` holds shards
 
 
 @dataclass
@@ -121,18 +129,71 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
         raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} needs the per-rank split first; "
                           "hint: cfg = hpctrain.config.for_world(cfg, env.world_size) before build_data")
     task = resolve_task(cfg.train.task, data.task, cfg.data.name)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    check_strategy(cfg, env)  # train() checks before the process group already; a hand-built loop, here
     num_classes = cfg.model.num_classes or data.num_classes
-    model = build_model(cfg.model.name, num_classes, input_shape=data.input_shape, input_dtype=data.input_dtype,
-                        config=cfg.model).to(device)
-    model = parallelize(model, env, cfg.parallel, compile=cfg.train.compile)
+
+    def factory() -> nn.Module:
+        return build_model(cfg.model.name, num_classes, input_shape=data.input_shape, input_dtype=data.input_dtype,
+                           config=cfg.model)
+
+    # seeded: identical initial weights on every rank (under parallel.meta_init, rank 0's, scattered)
+    model = build_parallel(factory, env, cfg.parallel, device=device, seed=cfg.seed, compile=cfg.train.compile,
+                           precision=cfg.precision)
     global_batch = cfg.data.batch_size * env.world_size * cfg.train.grad_accum
     optimizer = build_optimizer(model, cfg.optim, peak_lr(cfg.optim, global_batch))
+    if cfg.parallel.strategy == "zero1" and env.distributed:
+        optimizer = zero1_from(optimizer)  # the optimizer state split over the ranks; DDP all-reduces
     steps = total_steps(cfg, len(data.train_loader))
     needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
     scheduler = build_scheduler(optimizer, cfg.optim, steps) if needs_schedule else None
-    return Components(model, optimizer, scheduler, Precision(cfg.precision, device), data.train_loader,
-                      data.val_loader, task.metrics(num_classes), task=task)
+    precision = Precision(cfg.precision, device)
+    if is_sharded(model) and precision.scaler is not None:
+        precision.scaler = sharded_grad_scaler(device)  # its inf check sees every rank's shard
+    return Components(model, optimizer, scheduler, precision, data.train_loader, data.val_loader,
+                      task.metrics(num_classes), task=task, flops_model=on_meta(factory) if is_sharded(model) else None)
+
+
+def check_strategy(cfg: Config, env: cluster.ClusterEnv) -> None:
+    """What ``hpctrain train`` runs today: ddp, zero1, fsdp, hsdp (with tp); pipeline stages and
+    DeepSpeed exist as library parts (hpctrain.parallel) but not yet in this loop."""
+    p = cfg.parallel
+    if p.pp > 1 or p.strategy == "deepspeed":
+        what = f"parallel.pp={p.pp}" if p.pp > 1 else "parallel.strategy=deepspeed"
+        raise ConfigError(f"{what} is not wired into `hpctrain train` yet; hint: parallel.strategy=fsdp "
+                          "(or ddp, zero1, hsdp), or hpctrain.parallel's build_pipeline_step / init_deepspeed "
+                          "in your own loop")
+    if p.strategy == "zero1" and cfg.checkpoint.enabled and env.distributed:
+        raise ConfigError("parallel.strategy=zero1 cannot checkpoint yet (its optimizer state is split over "
+                          "the ranks); hint: checkpoint.enabled=false, or parallel.strategy=fsdp")
+
+
+def sharded_checkpoints(cfg: Config) -> Config:
+    """Sharded strategies (fsdp, hsdp, tensor parallel) checkpoint with DCP: each rank writes its
+    shards, and a resume at another world size reshards them. checkpoint.format=torch (rank 0
+    writes whole state) cannot hold them, so it is switched, said once in the log."""
+    p = cfg.parallel
+    if cfg.checkpoint.format == "dcp" or not cfg.checkpoint.enabled or (p.strategy not in SHARDED and p.tp == 1):
+        return cfg
+    log.info("parallel.strategy=%s%s: checkpoint.format=dcp (sharded state)", p.strategy,
+             f", tp={p.tp}" if p.tp > 1 else "")
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, format="dcp"))
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Does this rank hold shards (FSDP, tensor parallel) rather than whole parameters? (FSDP's
+    parameters are whole between a forward and its backward: ZeRO-2 after an eval forward.)"""
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(param, DTensor) for param in model.parameters())
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state, gathered to rank 0's CPU (other ranks get an empty dict when the
+    model is sharded); every rank calls it (a collective when sharded)."""
+    if not is_sharded(model):
+        return unwrap(model).state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {name: value for name, value in get_model_state_dict(model, options=options).items()
+            if isinstance(value, torch.Tensor)}
 
 
 # ---------------------------------------------------------------- the loop
@@ -244,7 +305,7 @@ def _count_first_batch(loop: Loop, batch: Batch, inputs: torch.Tensor) -> None:
     per_sample = loop.parts.task.tokens_per_sample(tuple(inputs.shape[1:]))
     tokens = per_sample * int(inputs.shape[0]) if per_sample is not None else None
     model_view = Batch(inputs, batch.targets, batch.keys, batch.mask)
-    loop.tel.meter.first_batch(unwrap(loop.parts.model), model_view, tokens=tokens)
+    loop.tel.meter.first_batch(loop.parts.flops_model or unwrap(loop.parts.model), model_view, tokens=tokens)
 
 
 def _after_step(loop: Loop) -> bool:
@@ -287,7 +348,9 @@ def _optimizer_step(loop: Loop) -> None:
     parts = loop.parts
     if loop.cfg.train.clip_grad_norm is not None:
         parts.precision.unscale(parts.optimizer)
-        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), loop.cfg.train.clip_grad_norm)
+        # sharded gradients (DTensors) need the norm over every shard; whole ones, torch's own
+        clip = clip_grad_norm_ if is_sharded(parts.model) else torch.nn.utils.clip_grad_norm_
+        clip(parts.model.parameters(), loop.cfg.train.clip_grad_norm)
     parts.precision.step(parts.optimizer)
     parts.optimizer.zero_grad(set_to_none=True)
     if parts.scheduler is not None:
@@ -363,7 +426,9 @@ def train(cfg: Config) -> dict[str, Any]:
     """``hpctrain train``: returns the summary (written to RUN_DIR/summary.json by rank 0)."""
     env = cluster.detect()
     check_world(cfg, env.world_size)
+    check_strategy(cfg, env)  # every rank, before the group: all fail alike with exit 2
     given, cfg = cfg, for_world(cfg, env.world_size)  # data.global_batch_size -> this world's micro-batch, accum
+    cfg = sharded_checkpoints(cfg)
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
     resume = cfg.resume if cfg.checkpoint.enabled else "never"
     check_run_dir(run_dir, cfg.run.overwrite, resume)  # read-only, every rank: all fail alike before the group
@@ -414,9 +479,10 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
         tel.close()
     if result.preempted:
         return _preempted(env, run_dir, parts, ckpt)
-    summary = _summary(cfg, env, parts, result)
+    weights = full_state(parts.model)  # every rank: gathers a sharded model (to rank 0's CPU and the others')
+    summary = _summary(cfg, env, parts, result, weights)
     if env.is_main:
-        save_model(unwrap(parts.model), run_dir / "model.pt")
+        save_model(weights, run_dir / "model.pt")
         write_json(run_dir / "summary.json", summary)
         write_status(run_dir, "finished", step=parts.counters.step)
         shown = ("steps", "val_loss", "val_perplexity" if summary["val_perplexity"] is not None else "val_accuracy",
@@ -460,6 +526,15 @@ def _run_loop(loop: Loop) -> LoopResult:
     return result
 
 
+def _params_sha256(model: nn.Module, weights: dict[str, torch.Tensor], env: cluster.ClusterEnv) -> str:
+    """The weights' hash on every rank; a sharded model's full weights are on rank 0 only."""
+    if not is_sharded(model):
+        return params_sha256(unwrap(model))
+    digest = [params_sha256(unwrap(model), weights) if env.is_main else ""]
+    torch.distributed.broadcast_object_list(digest, src=0)
+    return str(digest[0])
+
+
 def skipped_samples(parts: Components, env: cluster.ClusterEnv) -> int:
     """Corrupt samples skipped under data.on_corrupt=skip, summed over ranks (never silent)."""
     local = torch.tensor([getattr(parts.train_loader, "skipped", 0)], dtype=torch.int64)
@@ -480,7 +555,8 @@ def _preempted(env: cluster.ClusterEnv, run_dir: Path, parts: Components, ckpt: 
     return {"outcome": "preempted", "steps": parts.counters.step, "checkpoint": where}
 
 
-def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: LoopResult) -> dict[str, Any]:
+def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: LoopResult,
+             weights: dict[str, torch.Tensor]) -> dict[str, Any]:
     metrics = result.last_eval.metrics if result.last_eval else {}
     samples = parts.counters.samples_seen
     samples_per_s = samples / result.train_seconds if result.train_seconds else 0.0
@@ -498,7 +574,8 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
         "steps": parts.counters.step, "epochs": parts.counters.epoch, "samples_seen": samples,
         "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
         "data_wait_share": result.data_wait_seconds / result.train_seconds if result.train_seconds else 0.0,
-        "best": result.best, "params_sha256": params_sha256(unwrap(parts.model)),
+        "best": result.best,
+        "params_sha256": _params_sha256(parts.model, weights, env),
         "skipped_samples": skipped_samples(parts, env),
         "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name, "outcome": "finished",
     }

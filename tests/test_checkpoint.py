@@ -49,7 +49,7 @@ def test_layout_manifest_and_no_leftovers(tmp_path: Path) -> None:
     assert manifest["step"] == 32 and manifest["epoch"] == 2 and manifest["world_size"] == 1
     assert set(manifest["files"]) == {REPLICATED, REPLICATED_TENSORS, rank_file(0)}
     assert {"torch", "hpctrain", "python"} <= set(manifest["versions"])
-    assert isinstance(manifest["save_s"], float) and manifest["save_s"] >= 0  # hpctrain slurm sizes its USR1 lead from it
+    assert isinstance(manifest["save_s"], float) and manifest["save_s"] >= 0  # sizes hpctrain slurm's USR1 lead
     assert all(layout.verify(p) == [] for _, p in layout.committed(root))
     assert summary["outcome"] == "finished"
     assert json.loads((run / "status.json").read_text())["outcome"] == "finished"

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from hpctrain.cache import cache_root
 from hpctrain.cli import main
 from hpctrain.config import load_config
 from hpctrain.data import build_data
-from hpctrain.cache import cache_root
 from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
 from hpctrain.data.shards import ShardError
 from hpctrain.data.sources import DataMissingError

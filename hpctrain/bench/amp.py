@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hpctrain.bench.context import Context
-from hpctrain.bench.output import BenchResult, progress
+from hpctrain.bench.output import BenchResult, fmt, progress
 from hpctrain.bench.runner import RunStats, Steps, hpctrain_run
 from hpctrain.bench.shards import image_shards
 from hpctrain.telemetry.runs import load_run
@@ -69,7 +69,7 @@ def _row(mode: str, stats: list[RunStats], loss: float) -> dict[str, Any]:
 def plot(fig: Any, result: BenchResult) -> None:
     rate_ax, mem_ax = fig.subplots(1, 2)
     names = [r["precision"] for r in result.rows]
-    rate_ax.bar_label(rate_ax.bar(names, [r["samples_per_s"] for r in result.rows]), fmt="%.3g")
+    rate_ax.bar_label(rate_ax.bar(names, [r["samples_per_s"] for r in result.rows]), fmt=fmt)
     rate_ax.set(title="throughput", ylabel="samples / s")
     mem_ax.bar_label(mem_ax.bar(names, [r["peak_mem_gb"] for r in result.rows], color="#ff7f0e"), fmt="%.2f")
     mem_ax.set(title=f"peak memory ({result.settings['mem_kind']})", ylabel="GB")

@@ -16,7 +16,7 @@ import torch
 
 from hpctrain.bench.context import Context
 from hpctrain.bench.loops import compare, make_config
-from hpctrain.bench.output import BenchResult, progress
+from hpctrain.bench.output import BenchResult, fmt, progress
 
 
 def run(ctx: Context) -> BenchResult:
@@ -50,7 +50,7 @@ def plot(fig: Any, result: BenchResult) -> None:
     ax = fig.subplots()
     names = [r["loop"] for r in result.rows]
     bars = ax.bar(names, [r["samples_per_s"] for r in result.rows], color=["#999999", "#1f77b4"])
-    ax.bar_label(bars, fmt="%.3g")
+    ax.bar_label(bars, fmt=fmt)
     ax.set(ylabel="samples / s", title=f"time ratio hpctrain / plain = "
            f"{result.summary['time_ratio_hpctrain_vs_plain']:.3f}, weights equal: {result.summary['weights_equal']}")
     ax.grid(axis="y", alpha=0.3)

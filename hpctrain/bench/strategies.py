@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from hpctrain.bench.context import Context
-from hpctrain.bench.output import BenchResult, progress
+from hpctrain.bench.output import BenchResult, fmt, progress
 from hpctrain.bench.runner import Steps, hpctrain_run, rank_reports
 from hpctrain.errors import UserError
 from hpctrain.launch.doctor import cpus
@@ -112,7 +112,7 @@ def _row(strategy: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 def plot(fig: Any, result: BenchResult) -> None:
     rate_ax, mem_ax = fig.subplots(1, 2)
     names = [r["strategy"] for r in result.rows]
-    rate_ax.bar_label(rate_ax.bar(names, [r["tokens_per_s"] for r in result.rows]), fmt="%.3g")
+    rate_ax.bar_label(rate_ax.bar(names, [r["tokens_per_s"] for r in result.rows]), fmt=fmt)
     rate_ax.set(title="throughput (all ranks)", ylabel="tokens / s")
     ranks = len(result.rows[0]["mem_per_rank_gb"])
     width = 0.8 / ranks
@@ -121,6 +121,6 @@ def plot(fig: Any, result: BenchResult) -> None:
         mem_ax.bar(xs, [r["mem_per_rank_gb"][k] for r in result.rows], width, label=f"rank {k}")
     mem_ax.set_xticks(range(len(names)), names)
     mem_ax.set(title=f"peak memory per rank ({result.settings['mem_kind']})", ylabel="GB")
-    mem_ax.legend(fontsize="small")
+    mem_ax.legend(fontsize="small", loc="lower right")
     for ax in (rate_ax, mem_ax):
         ax.grid(axis="y", alpha=0.3)

@@ -139,15 +139,23 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens -> logits. A pipeline stage (hpctrain.parallel.pipeline) sets the top-level
+        parts it does not hold to None: a later stage takes hidden states instead of tokens,
+        an earlier one returns hidden states instead of logits."""
+        x = tokens if self.tok_emb is None else self._embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        return x if self.head is None else self.head(x)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
         if t > self.shape.seq_len:
             raise ValueError(f"a sequence of {t} tokens is longer than the model's seq_len ({self.shape.seq_len}); "
                              "hint: raise model.seq_len or shard the text with a shorter --seq-len")
         positions = torch.arange(t, device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+        return self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
 
 
 def build_gpt(num_classes: int = 256, *, config: ModelConfig | None = None,
