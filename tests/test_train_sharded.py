@@ -27,7 +27,8 @@ pytestmark = needs_sdist
 TOL = 1e-5
 # 16 samples a step: 4 per micro-batch, so 4 micro-steps at world 1, 2 at world 2, 1 at world 4
 BASE = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=32",
-        "data.name=shards", "data.batch_size=4", "data.global_batch_size=16", "data.max_val_samples=40",
+        "data.name=shards", "data.batch_size=4", "data.global_batch_size=16", "data.max_val_samples=41",
+        "data.eval_batch_size=4",  # 21 + 20 samples: 6 and 5 eval batches, so FSDP ranks must keep in step
         "train.max_steps=10", "train.log_every=1", "train.progress=false", "train.threads=1",
         "train.clip_grad_norm=0.5", "optim.name=adamw", "optim.lr=0.01", "optim.schedule=constant",
         "checkpoint.every_seconds=None"]
@@ -81,7 +82,7 @@ def test_two_ranks_match_one_process(shards: Path, one_process: Path, tmp_path: 
     assert len(want) == 10 and want[10] < want[1] - 1.0
     _close(_losses(run), want)
     one, two = (json.loads((r / "summary.json").read_text()) for r in (one_process, run))
-    assert two["world_size"] == 2 and two["val_count"] == one["val_count"] == 40
+    assert two["world_size"] == 2 and two["val_count"] == one["val_count"] == 41
     assert abs(two["val_loss"] - one["val_loss"]) < TOL
 
 

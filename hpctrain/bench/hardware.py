@@ -6,23 +6,11 @@ code, decides the absolute figures."""
 from __future__ import annotations
 
 import os
-import platform
 import socket
-from pathlib import Path
 from typing import Any
 
 from hpctrain.launch.doctor import cpus, gpus, versions
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+from hpctrain.telemetry.flops import cpu_name as cpu_model
 
 
 def describe() -> dict[str, Any]:
