@@ -3,6 +3,7 @@ env -> data -> model -> parallel -> precision -> optim -> evaluate -> run dir.""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -30,12 +31,14 @@ from hpctrain.evaluate import EvalResult, evaluate
 from hpctrain.metrics import Metric
 from hpctrain.models import build_model
 from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
-from hpctrain.parallel import build_parallel, unwrap
+from hpctrain.parallel import build_parallel, build_pipeline_step, unwrap
 from hpctrain.parallel.clip import clip_grad_norm_
 from hpctrain.parallel.config import SHARDED
 from hpctrain.parallel.ddp import no_sync
+from hpctrain.parallel.deepspeed import DeepSpeedStep, import_deepspeed, init_deepspeed
 from hpctrain.parallel.fsdp import FSDPModule, sharded_grad_scaler
 from hpctrain.parallel.meta import on_meta
+from hpctrain.parallel.pipeline import PipelineStep, local_stage_ids
 from hpctrain.parallel.zero import zero1_from
 from hpctrain.precision import Precision
 from hpctrain.rundir import (
@@ -85,6 +88,9 @@ class Components:
     counters: Counters = field(default_factory=Counters)
     task: Task = field(default_factory=Classification)  # split, loss and metrics (hpctrain.tasks)
     flops_model: nn.Module | None = None  # the whole model on meta, to count FLOPs when ``model`` holds shards
+    # parallel.pp > 1: runs forward + backward, ``model`` is this rank's stage(s); strategy=deepspeed:
+    # forward, backward and (closing an accumulation window) the optimizer step, ``model`` is the engine
+    step: PipelineStep | DeepSpeedStep | None = None
 
 
 @dataclass
@@ -125,7 +131,7 @@ def total_steps(cfg: Config, batches_per_epoch: int) -> int:
 
 def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device, data: DataBundle) -> Components:
     """``cfg`` as this world size runs it: pass ``for_world(cfg, env.world_size)`` (and build the data from it)."""
-    if for_world(cfg, env.world_size) is not cfg:
+    if for_world(cfg, data_env(cfg, env).world_size) is not cfg:
         raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} needs the per-rank split first; "
                           "hint: cfg = hpctrain.config.for_world(cfg, env.world_size) before build_data")
     task = resolve_task(cfg.train.task, data.task, cfg.data.name)
@@ -136,35 +142,112 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
         return build_model(cfg.model.name, num_classes, input_shape=data.input_shape, input_dtype=data.input_dtype,
                            config=cfg.model)
 
-    # seeded: identical initial weights on every rank (under parallel.meta_init, rank 0's, scattered)
-    model = build_parallel(factory, env, cfg.parallel, device=device, seed=cfg.seed, compile=cfg.train.compile,
-                           precision=cfg.precision)
-    global_batch = cfg.data.batch_size * env.world_size * cfg.train.grad_accum
+    step: PipelineStep | DeepSpeedStep | None = None
+    if cfg.parallel.pp > 1:
+        model, step = _pipeline(cfg, env, device, factory, task)
+    else:  # seeded: identical initial weights on every rank (under parallel.meta_init, rank 0's, scattered)
+        model = build_parallel(factory, env, cfg.parallel, device=device, seed=cfg.seed, compile=cfg.train.compile,
+                               precision=cfg.precision)
+    global_batch = cfg.data.batch_size * data_env(cfg, env).world_size * cfg.train.grad_accum
     optimizer = build_optimizer(model, cfg.optim, peak_lr(cfg.optim, global_batch))
     if cfg.parallel.strategy == "zero1" and env.distributed:
         optimizer = zero1_from(optimizer)  # the optimizer state split over the ranks; DDP all-reduces
+    if cfg.parallel.strategy == "deepspeed":
+        model, step = _deepspeed(cfg, env, model, optimizer, task)
     steps = total_steps(cfg, len(data.train_loader))
     needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
     scheduler = build_scheduler(optimizer, cfg.optim, steps) if needs_schedule else None
     precision = Precision(cfg.precision, device)
     if is_sharded(model) and precision.scaler is not None:
         precision.scaler = sharded_grad_scaler(device)  # its inf check sees every rank's shard
+    whole = is_sharded(model) or step is not None  # FLOPs from the whole model on meta
     return Components(model, optimizer, scheduler, precision, data.train_loader, data.val_loader,
-                      task.metrics(num_classes), task=task, flops_model=on_meta(factory) if is_sharded(model) else None)
+                      task.metrics(num_classes), task=task, flops_model=on_meta(factory) if whole else None, step=step)
+
+
+def _pipeline(cfg: Config, env: cluster.ClusterEnv, device: torch.device, factory: Any,
+              task: Task) -> tuple[nn.Module, PipelineStep]:
+    """parallel.pp > 1: the whole model built seeded (as one process builds it), cut into this
+    rank's stage(s) behind the schedule's step function; the loss is the task's."""
+    torch.manual_seed(cfg.seed)
+    step = build_pipeline_step(factory().to(device), env, cfg.parallel, device=device,
+                               loss_fn=lambda out, tgt: task.loss(out, tgt, None), grad_accum=cfg.train.grad_accum,
+                               precision=cfg.precision)
+    model = step.modules[0] if len(step.modules) == 1 else nn.ModuleList(step.modules)
+    return model, step
+
+
+def _deepspeed(cfg: Config, env: cluster.ClusterEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
+               task: Task) -> tuple[nn.Module, DeepSpeedStep]:
+    """strategy=deepspeed: the engine (ZeRO parallel.deepspeed_stage) around the model and its
+    optimizer; DeepSpeed reduces, clips (train.clip_grad_norm) and steps; the loss is the task's."""
+    engine = init_deepspeed(model, optimizer, env=env, stage=cfg.parallel.deepspeed_stage,
+                            micro_batch=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
+                            clip_grad_norm=cfg.train.clip_grad_norm or 0.0, precision=cfg.precision)
+    return engine, DeepSpeedStep(engine, lambda out, tgt: task.loss(out, tgt, None))
+
+
+def data_env(cfg: Config, env: cluster.ClusterEnv) -> cluster.ClusterEnv:
+    """The world as the data sees it: the stages of one pipeline read the same batches, so
+    the data is split over the data-parallel replicas only (the loop runs pp = world size)."""
+    if cfg.parallel.pp == 1:
+        return env
+    return replace(env, rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1)
 
 
 def check_strategy(cfg: Config, env: cluster.ClusterEnv) -> None:
-    """What ``hpctrain train`` runs today: ddp, zero1, fsdp, hsdp (with tp); pipeline stages and
-    DeepSpeed exist as library parts (hpctrain.parallel) but not yet in this loop."""
+    """What ``hpctrain train`` runs today: ddp, zero1, fsdp, hsdp, deepspeed and pipeline
+    stages (each of the last two with the limits its check names); no tensor parallelism."""
     p = cfg.parallel
-    if p.pp > 1 or p.strategy == "deepspeed":
-        what = f"parallel.pp={p.pp}" if p.pp > 1 else "parallel.strategy=deepspeed"
-        raise ConfigError(f"{what} is not wired into `hpctrain train` yet; hint: parallel.strategy=fsdp "
-                          "(or ddp, zero1, hsdp), or hpctrain.parallel's build_pipeline_step / init_deepspeed "
-                          "in your own loop")
-    if p.strategy == "zero1" and cfg.checkpoint.enabled and env.distributed:
-        raise ConfigError("parallel.strategy=zero1 cannot checkpoint yet (its optimizer state is split over "
-                          "the ranks); hint: checkpoint.enabled=false, or parallel.strategy=fsdp")
+    if p.tp > 1:  # the data and the eval metrics are split by rank, not yet by tensor-parallel group
+        raise ConfigError(
+            f"parallel.tp={p.tp}: the trainer does not run tensor parallelism yet (its ranks would read different "
+            "batches and evaluation would count samples tp times); it is available as a library "
+            "(hpctrain.parallel.parallelize, docs/parallel.md); hint: parallel.tp=1 with strategy=fsdp")
+    if p.strategy == "deepspeed":
+        _check_deepspeed_loop(cfg)
+    if p.pp > 1:
+        _check_pipeline_loop(cfg, env)
+    if p.strategy == "zero1" and cfg.checkpoint.enabled and cfg.checkpoint.format == "dcp" and env.distributed:
+        raise ConfigError("parallel.strategy=zero1 checkpoints with checkpoint.format=torch (rank 0 writes the "
+                          "optimizer state consolidated from every rank), not dcp; hint: checkpoint.format=torch")
+
+
+def _check_deepspeed_loop(cfg: Config) -> None:
+    """What the loop runs under strategy=deepspeed today: DeepSpeed owns the step, so no
+    hpctrain checkpoints (its state is DeepSpeed's) and no lr schedule beside its optimizer."""
+    import_deepspeed()  # DeepSpeedMissing (a UserError) with the install hint, before the process group
+    if cfg.checkpoint.enabled:
+        raise ConfigError("parallel.strategy=deepspeed cannot checkpoint yet (DeepSpeed holds the optimizer and "
+                          "the partitioned state); hint: checkpoint.enabled=false, or parallel.strategy=fsdp")
+    if cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0:
+        raise ConfigError(f"parallel.strategy=deepspeed runs a constant lr today (optim.schedule="
+                          f"{cfg.optim.schedule}, optim.warmup_steps={cfg.optim.warmup_steps}); hint: "
+                          "optim.schedule=constant optim.warmup_steps=0")
+
+
+def _check_pipeline_loop(cfg: Config, env: cluster.ClusterEnv) -> None:
+    """What the loop runs under parallel.pp > 1 today: pipeline stages only (pp = world size,
+    no dp or tp beside them), fp32/bf16, no checkpoints and no validation."""
+    p = cfg.parallel
+    if p.pp != env.world_size or p.tp > 1 or p.dp > 1:
+        raise ConfigError(f"parallel.pp={p.pp} in `hpctrain train` needs pp = world size ({env.world_size}) with "
+                          f"dp=1 and tp=1 (got dp={p.dp or 'auto'}, tp={p.tp}); hint: run `-n {p.pp}`, or "
+                          "hpctrain.parallel.build_pipeline_step in your own loop for dp x tp x pp")
+    if cfg.checkpoint.enabled:
+        raise ConfigError(f"parallel.pp={p.pp} cannot checkpoint yet (each rank holds one stage); "
+                          "hint: checkpoint.enabled=false")
+    if cfg.train.eval_every_steps:
+        raise ConfigError(f"parallel.pp={p.pp} does not validate yet (the eval forward would run through the "
+                          "stages); hint: train.eval_every_steps=0 (validate the saved model.pt with one process)")
+    if cfg.precision == "fp16":
+        raise ConfigError(f"parallel.pp={p.pp} has no fp16 loss scaling; hint: precision=bf16 or fp32")
+    if cfg.train.compile or p.meta_init:
+        raise ConfigError(f"parallel.pp={p.pp} builds its stages without train.compile or parallel.meta_init yet; "
+                          "hint: train.compile=false parallel.meta_init=false")
+    if cfg.model.tie_weights and cfg.model.name == "gpt":
+        raise ConfigError(f"parallel.pp={p.pp}: the first and last stages cannot share the tied embedding; "
+                          "hint: model.tie_weights=false")
 
 
 def sharded_checkpoints(cfg: Config) -> Config:
@@ -288,6 +371,11 @@ def _micro_step(loop: Loop, batch: Batch, sync: bool) -> torch.Tensor:
     inputs, targets = parts.task.split(batch)
     if not meter.counted:
         _count_first_batch(loop, batch, inputs)
+    if parts.step is not None:  # the pipeline schedule or DeepSpeed runs forward and backward
+        with parts.precision.autocast() if isinstance(parts.step, PipelineStep) else contextlib.nullcontext():
+            loss = parts.step(inputs, targets)  # DeepSpeed: its own bf16/fp16 (ds_config), and step
+        meter.lap(BACKWARD)
+        return loss / accum if accum > 1 else loss
     with no_sync(parts.model, skip=not sync):
         with parts.precision.autocast():
             loss = parts.task.loss(parts.model(inputs), targets, batch.mask)
@@ -305,7 +393,10 @@ def _count_first_batch(loop: Loop, batch: Batch, inputs: torch.Tensor) -> None:
     per_sample = loop.parts.task.tokens_per_sample(tuple(inputs.shape[1:]))
     tokens = per_sample * int(inputs.shape[0]) if per_sample is not None else None
     model_view = Batch(inputs, batch.targets, batch.keys, batch.mask)
-    loop.tel.meter.first_batch(loop.parts.flops_model or unwrap(loop.parts.model), model_view, tokens=tokens)
+    meter = loop.tel.meter
+    meter.first_batch(loop.parts.flops_model or unwrap(loop.parts.model), model_view, tokens=tokens)
+    if isinstance(loop.parts.step, PipelineStep) and meter.step_flops is not None:
+        meter.step_flops //= loop.cfg.parallel.pp  # one rank runs one stage: about 1/pp of the model's FLOPs
 
 
 def _after_step(loop: Loop) -> bool:
@@ -346,11 +437,15 @@ def _epoch_batches(loader: TrainLoader) -> Iterator[Batch]:
 
 def _optimizer_step(loop: Loop) -> None:
     parts = loop.parts
+    if isinstance(parts.step, DeepSpeedStep):
+        return  # the engine clipped and stepped in the window's last micro-step
     if loop.cfg.train.clip_grad_norm is not None:
         parts.precision.unscale(parts.optimizer)
-        # sharded gradients (DTensors) need the norm over every shard; whole ones, torch's own
-        clip = clip_grad_norm_ if is_sharded(parts.model) else torch.nn.utils.clip_grad_norm_
-        clip(parts.model.parameters(), loop.cfg.train.clip_grad_norm)
+        if isinstance(parts.step, PipelineStep):  # the squared norms of every stage, summed over the pipeline
+            clip_grad_norm_(parts.step.parameters(), loop.cfg.train.clip_grad_norm, pp_group=parts.step.group)
+        else:  # sharded gradients (DTensors) need the norm over every shard; whole ones, torch's own
+            clip = clip_grad_norm_ if is_sharded(parts.model) else torch.nn.utils.clip_grad_norm_
+            clip(parts.model.parameters(), loop.cfg.train.clip_grad_norm)
     parts.precision.step(parts.optimizer)
     parts.optimizer.zero_grad(set_to_none=True)
     if parts.scheduler is not None:
@@ -382,7 +477,7 @@ def _mean_over_ranks(value: torch.Tensor, env: cluster.ClusterEnv) -> float:
 
 def _validate(loop: Loop) -> None:
     parts, result = loop.parts, loop.result
-    if parts.val_loader is None:
+    if parts.val_loader is None or isinstance(parts.step, PipelineStep):  # pp: not yet (check_strategy says so)
         return
     res = evaluate(parts.model, parts.val_loader, parts.metrics, loop.env, loop.device, parts.precision,
                    task=parts.task)
@@ -427,7 +522,7 @@ def train(cfg: Config) -> dict[str, Any]:
     env = cluster.detect()
     check_world(cfg, env.world_size)
     check_strategy(cfg, env)  # every rank, before the group: all fail alike with exit 2
-    given, cfg = cfg, for_world(cfg, env.world_size)  # data.global_batch_size -> this world's micro-batch, accum
+    given, cfg = cfg, for_world(cfg, data_env(cfg, env).world_size)  # global_batch_size -> micro-batch, accum
     cfg = sharded_checkpoints(cfg)
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
     resume = cfg.resume if cfg.checkpoint.enabled else "never"
@@ -451,7 +546,9 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
     signals = SignalFlag(cfg.checkpoint.signals if cfg.checkpoint.enabled else [])
     signals.install()  # early: a preemption during set-up must not kill the job unsaved
     configure_runtime(cfg, env)
-    data = build_data(cfg, env, device)
+    data = build_data(cfg, data_env(cfg, env), device)
+    if cfg.parallel.pp > 1 and env.is_main:
+        log.warning("parallel.pp=%d: no validation yet; validate the saved model.pt with one process", cfg.parallel.pp)
     parts = build_components(cfg, env, device, data)
     if parts.val_loader is not None:  # a misspelt train.best_metric fails now, not after the first validation
         names = {f"val_{k}": v for m in parts.metrics for k, v in m.compute().items() if isinstance(v, (int, float))}
@@ -479,7 +576,10 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
         tel.close()
     if result.preempted:
         return _preempted(env, run_dir, parts, ckpt)
-    weights = full_state(parts.model)  # every rank: gathers a sharded model (to rank 0's CPU and the others')
+    # every rank: gathers a sharded model (to rank 0's CPU and the others') or the pipeline's stages
+    weights = (pipeline_full_state(cfg, env, parts.model) if isinstance(parts.step, PipelineStep)
+               else deepspeed_full_state(parts.model, env) if isinstance(parts.step, DeepSpeedStep)
+               else full_state(parts.model))
     summary = _summary(cfg, env, parts, result, weights)
     if env.is_main:
         save_model(weights, run_dir / "model.pt")
@@ -496,7 +596,11 @@ def _build_telemetry(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
     """Meter, loggers (metrics.jsonl opens here), stragglers, profiler. A logger whose package
     is missing fails every rank here, before config.yaml or status.json is written."""
     try:
-        return Telemetry.build(cfg, env, device, parts.counters.step, run_dir)
+        tel = Telemetry.build(cfg, env, device, parts.counters.step, run_dir)
+        if isinstance(parts.step, PipelineStep):  # pp: the stages of one pipeline share their samples (and tokens)
+            tel.meter.global_batch = cfg.data.batch_size * data_env(cfg, env).world_size * cfg.train.grad_accum
+            tel.meter.world_size = data_env(cfg, env).world_size
+        return tel
     except BaseException:
         signals.uninstall()
         if ckpt is not None:
@@ -526,11 +630,46 @@ def _run_loop(loop: Loop) -> LoopResult:
     return result
 
 
-def _params_sha256(model: nn.Module, weights: dict[str, torch.Tensor], env: cluster.ClusterEnv) -> str:
-    """The weights' hash on every rank; a sharded model's full weights are on rank 0 only."""
-    if not is_sharded(model):
+def pipeline_full_state(cfg: Config, env: cluster.ClusterEnv, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state on rank 0 (others: empty), from every rank's stage(s); a stage's
+    ``blocks.i`` is renumbered to the whole model's block index. Every rank calls it."""
+    p = cfg.parallel
+    modules = list(model) if isinstance(model, nn.ModuleList) else [model]
+    ids = local_stage_ids(env.rank, p.pp, p.pp_schedule, p.virtual_stages)
+    mine = [(i, len(list(m.get_submodule("blocks").children())),
+             {k: v.detach().cpu() for k, v in m.state_dict().items()}) for i, m in zip(ids, modules)]
+    gathered: list[Any] = [None] * env.world_size if env.is_main else []
+    torch.distributed.gather_object(mine, gathered if env.is_main else None, dst=0)
+    if not env.is_main:
+        return {}
+    full: dict[str, torch.Tensor] = {}
+    offset = 0
+    for _, n_blocks, state in sorted((s for rank in gathered for s in rank), key=lambda s: s[0]):
+        for key, value in state.items():
+            parts = key.split(".")
+            if parts[0] == "blocks":
+                parts[1] = str(int(parts[1]) + offset)
+            full[".".join(parts)] = value
+        offset += n_blocks
+    return full
+
+
+def deepspeed_full_state(engine: Any, env: cluster.ClusterEnv) -> dict[str, torch.Tensor]:
+    """The whole model's state on rank 0's CPU: ZeRO-3 gathers its partitioned parameters (every
+    rank calls it); ZeRO-1/2 keep whole parameters on every rank."""
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # DeepSpeed's own gather, to rank 0
+        return {k: v.detach().cpu() for k, v in state.items()} if env.is_main and state else {}
+    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
+
+
+def _params_sha256(model: nn.Module, weights: dict[str, torch.Tensor], env: cluster.ClusterEnv,
+                   whole: nn.Module | None = None) -> str:
+    """The weights' hash on every rank; a sharded (or pipelined) model's full weights are on rank 0 only;
+    ``whole``: the whole model (on meta) whose parameter names they carry."""
+    if whole is None and not is_sharded(model):
         return params_sha256(unwrap(model))
-    digest = [params_sha256(unwrap(model), weights) if env.is_main else ""]
+    digest = [params_sha256(whole or unwrap(model), weights) if env.is_main else ""]
     torch.distributed.broadcast_object_list(digest, src=0)
     return str(digest[0])
 
@@ -575,7 +714,7 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
         "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
         "data_wait_share": result.data_wait_seconds / result.train_seconds if result.train_seconds else 0.0,
         "best": result.best,
-        "params_sha256": _params_sha256(parts.model, weights, env),
+        "params_sha256": _params_sha256(parts.model, weights, env, parts.flops_model if parts.step else None),
         "skipped_samples": skipped_samples(parts, env),
         "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name, "outcome": "finished",
     }

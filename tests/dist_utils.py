@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import socket
+import subprocess
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -65,3 +70,35 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
 
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def finish_launch(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, str]:
+    """Wait for a launcher started with ``start_new_session=True``; on time-out kill it, its
+    group and its ranks (torch starts each rank in a session of its own, out of the group's
+    reach, and a live rank would keep the output pipe open), then fail with the output."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for child in _descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"run timed out:\n{out.decode(errors='replace')[-4000:]}")
+    return proc.returncode, out.decode(errors="replace")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc before anything is killed)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -19,7 +19,8 @@ import pytest
 
 from hpctrain.checkpoint import layout
 from hpctrain.errors import EXIT_PREEMPTED
-from hpctrain.launch.local import signals_to_handle, torchrun_args
+from hpctrain.launch.local import signals_to_handle, torchrun_accepts, torchrun_args
+from tests.dist_utils import finish_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["model.name=tests.ckpt_models:slow_mlp", "data.name=synthetic_tiny", "data.synthetic_size=1024",
@@ -43,13 +44,7 @@ def _start(run_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
 
 
 def _finish(proc: subprocess.Popen[bytes]) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"run timed out:\n{out.decode()[-4000:]}")
-    return proc.returncode, out.decode()
+    return finish_launch(proc, TIMEOUT)
 
 
 def _children(pid: int) -> list[int]:
@@ -88,7 +83,8 @@ def _wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen[bytes]) -> int:
 def test_torchrun_args_ask_torch_to_forward_the_preemption_signals() -> None:
     args = torchrun_args(2, ["train"], signals=["SIGUSR1", "SIGTERM"], shutdown_timeout=120, node_rank=1)
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in args
-    assert "--shutdown-timeout=120" in args and "--node-rank=1" in args
+    assert "--node-rank=1" in args
+    assert ("--shutdown-timeout=120" in args) == torchrun_accepts("--shutdown-timeout")  # torch 2.11 lacks it
     assert signals_to_handle(["SIGUSR2", "SIGTERM", "SIGUSR2"]) == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR2"]
 
 
@@ -137,4 +133,19 @@ def test_this_torchs_parser_is_asked_not_its_version() -> None:
     from hpctrain.launch.local import torchrun_accepts
 
     assert torchrun_accepts("--nproc-per-node")
-    assert torchrun_accepts("--shutdown-timeout")  # torch 2.13 (the CI wheel) has it
+    assert not torchrun_accepts("--no-such-option-anywhere")
+
+
+def test_the_first_rank_to_fail_gives_the_exit_code_not_a_rank_killed_after_it() -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from hpctrain.launch.local import rank_exit_code
+
+    def failure(rank: int, code: int, when: float) -> ProcessFailure:
+        found = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+        found.timestamp = int(when)
+        return found
+
+    killed_later = {0: failure(0, -15, 20), 1: failure(1, 2, 10)}
+    assert rank_exit_code(ChildFailedError("hpctrain", killed_later)) == 2
+    assert rank_exit_code(ChildFailedError("hpctrain", {0: failure(0, -9, 5)})) == 1

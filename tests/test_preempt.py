@@ -20,6 +20,7 @@ import pytest
 from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.preempt import EXIT_PREEMPTED
 from hpctrain.cli import main as cli_main
+from tests.dist_utils import finish_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["model.name=tests.ckpt_models:slow_mlp", "data.name=synthetic_tiny", "data.synthetic_size=1024",
@@ -52,13 +53,7 @@ def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
 
 
 def _finish(proc: subprocess.Popen[bytes]) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"run timed out:\n{out.decode()[-4000:]}")
-    return proc.returncode, out.decode()
+    return finish_launch(proc, TIMEOUT)
 
 
 def _run(cmd: list[str]) -> tuple[int, str]:

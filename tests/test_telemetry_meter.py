@@ -184,3 +184,14 @@ def test_a_run_faster_than_a_disturbed_cpu_probe_remeasures_it(tmp_path, monkeyp
     fresh = flops.remeasure_cpu_peak(disturbed, achieved=5e6)
     assert fresh.flops > 5e6 and fresh.source.endswith("(re-measured)")
     assert flops.cpu_matmul_peak(cache_dir=tmp_path) == fresh.flops  # the cache now holds the better figure
+
+
+def test_the_cpu_peak_probe_leaves_the_global_rng_alone(tmp_path) -> None:
+    """The probe runs on a fresh machine inside the first training step: drawing from the
+    global RNG there would change dropout masks, so a run would no longer equal a
+    hand-written loop (seen on a fresh GPU node's CPU: weights differed)."""
+    from hpctrain.telemetry import flops
+
+    before = torch.get_rng_state()
+    flops.cpu_matmul_peak(cache_dir=tmp_path)  # nothing cached here: it probes
+    assert torch.equal(torch.get_rng_state(), before)

@@ -1,12 +1,15 @@
-"""Strategies through `hpctrain train` (gloo, CPU): FSDP (ZeRO-3 and ZeRO-2) and ZeRO-1 at
-world 2 train the tiny GPT to the same losses as one process (with gradient accumulation
-and clipping), and an FSDP checkpoint (DCP) saved at world 2 resumes at world 1 and 4
-with the data position kept and the same next-step losses."""
+"""Strategies through `hpctrain train` (gloo, CPU): FSDP (ZeRO-3 and ZeRO-2), ZeRO-1,
+DeepSpeed ZeRO 1-3 and a 2-stage pipeline at world 2 train the tiny GPT to the same losses
+as one process (with gradient accumulation and clipping); an FSDP checkpoint (DCP) saved at
+world 2 resumes at world 1 and 4 with the data position kept and the same next-step losses,
+and bit-identically after a SIGKILL; a ZeRO-1 checkpoint resumes bit-identically."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpctrain.checkpoint import layout
 from hpctrain.config import ConfigError, load_config
 from hpctrain.data.text import write_text_shards
 from hpctrain.env import ClusterEnv
 from hpctrain.models.gpt import GPT, GPTShape
+from hpctrain.parallel.deepspeed import DeepSpeedMissing
 from hpctrain.rundir import params_sha256
 from hpctrain.train import check_strategy, train
+from tests import test_preempt as preempt
 from tests.test_data_text import needs_sdist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,17 +113,125 @@ def test_fsdp_checkpoint_resumes_at_world_1_and_4(shards: Path, tmp_path: Path) 
         _close(_losses(run), want)  # the same batches (the data position kept) and the same weights
 
 
-def test_strategies_not_in_the_loop_fail_before_start(shards: Path, tmp_path: Path) -> None:
+def test_fsdp_sigkill_then_restart_is_bit_identical(shards: Path, tmp_path: Path) -> None:
+    """SIGKILL to both FSDP ranks and the launcher mid-run (a DCP save may be in flight), then
+    the same command: it resumes from the last committed checkpoint to the uninterrupted weights."""
+    longer = ["parallel.strategy=fsdp", "train.max_steps=24"]
+    reference = tmp_path / "ref"
+    _ok(_run(2, shards, reference, *longer, "checkpoint.enabled=false"))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpctrain", "run", "-n", "2", "train", *BASE, f"data.path={shards}",
+           f"run.dir={run_dir}", *longer, "checkpoint.every_steps=3"]
+    kill_at = random.Random().randint(5, 18)
+    proc = preempt._start(cmd)
+    preempt._wait_for_step(run_dir, kill_at, proc)
+    for pid in [*preempt._workers(proc.pid), proc.pid]:
+        os.kill(pid, signal.SIGKILL)  # nothing gets to clean up, as on a node failure
+    proc.communicate()
+    assert not (run_dir / "summary.json").exists()
+    saved = [step for step, _ in layout.committed(run_dir / "checkpoints")]
+    assert saved and saved[-1] < 24, saved
+    again = _run(2, shards, run_dir, *longer, "checkpoint.every_steps=3")
+    _ok(again)
+    assert f"resumed from {run_dir / 'checkpoints' / layout.step_name(saved[-1])}" in again.stderr + again.stdout
+    summaries = [json.loads((r / "summary.json").read_text()) for r in (reference, run_dir)]
+    assert summaries[1]["params_sha256"] == summaries[0]["params_sha256"], (kill_at, saved)
+
+
+def test_zero1_checkpoint_resumes_at_world_2_and_1(shards: Path, tmp_path: Path) -> None:
+    """ZeRO-1 at world 2 checkpoints the optimizer state consolidated on rank 0 (format=torch);
+    a resume at world 2 (re-split) continues bit-identically, one at world 1 (whole) within 1e-6."""
+    saved = tmp_path / "saved"
+    _ok(_run(2, shards, saved, "parallel.strategy=zero1", "checkpoint.every_steps=5"))
+    ckpt = saved / "checkpoints" / "step-000000005"
+    assert json.loads((ckpt / "manifest.json").read_text())["format"] == "torch"
+    want = {s: v for s, v in _losses(saved).items() if s > 5}
+    at2 = tmp_path / "at2"
+    _ok(_run(2, shards, at2, "parallel.strategy=zero1", f"resume={ckpt}"))
+    assert _losses(at2) == want
+    summaries = [json.loads((r / "summary.json").read_text()) for r in (saved, at2)]
+    assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
+    at1 = tmp_path / "at1"
+    train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={at1}", f"resume={ckpt}"]))
+    got = _losses(at1)
+    assert got.keys() == want.keys() and max(abs(got[s] - want[s]) for s in want) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
+def test_deepspeed_matches_one_process(shards: Path, one_process: Path, tmp_path: Path, stage: int) -> None:
+    """strategy=deepspeed through the loop's step function: DeepSpeed (ZeRO stage 1-3, CPU + gloo)
+    accumulates 2 micro-steps, clips and steps; losses and the exact validation match one process,
+    and model.pt (ZeRO-3: gathered by DeepSpeed) is the whole model."""
+    pytest.importorskip("deepspeed")
+    run = tmp_path / "ds"
+    _ok(_run(2, shards, run, "parallel.strategy=deepspeed", f"parallel.deepspeed_stage={stage}",
+             "checkpoint.enabled=false"))
+    model = GPT(GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4))
+    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
+    assert params_sha256(model) == json.loads((run / "summary.json").read_text())["params_sha256"]
+    _close(_losses(run), _losses(one_process))
+    one, two = (json.loads((r / "summary.json").read_text()) for r in (one_process, run))
+    assert two["world_size"] == 2 and two["val_count"] == one["val_count"] == 41
+    assert abs(two["val_loss"] - one["val_loss"]) < TOL
+    assert two["samples_seen"] == one["samples_seen"] == 160
+
+
+def test_pipeline_two_stages_match_one_process(shards: Path, tmp_path: Path) -> None:
+    """pp=2 through the loop's step function (1F1B, 2 micro-batches of each of the 4 micro-steps
+    per optimizer step, global clipping over both stages) trains as one process does; model.pt
+    holds the whole model, gathered from the stages."""
+    untied = ["model.tie_weights=false", "checkpoint.enabled=false"]
+    one = tmp_path / "one"
+    train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={one}", *untied]))
+    run = tmp_path / "pp"
+    _ok(_run(2, shards, run, *untied, "parallel.pp=2", "parallel.microbatches=2"))
+    want = _losses(one)
+    assert len(want) == 10 and want[10] < want[1] - 1.0
+    _close(_losses(run), want)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["val_loss"] is None  # no validation under pp yet
+    assert summary["samples_seen"] == json.loads((one / "summary.json").read_text())["samples_seen"] == 160
+    model = GPT(GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4, tie_weights=False))
+    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
+    assert params_sha256(model) == summary["params_sha256"]
+    # the same weights up to float32 summation order (micro-batches of 2 rows, not 4), which 10
+    # AdamW steps of lr 0.01 grow to ~2e-5 on a few entries
+    mine = dict(model.named_parameters())
+    for name, value in torch.load(one / "model.pt", weights_only=True).items():
+        worst = (mine[name] - value).abs().max().item()
+        assert worst < 1e-4, (name, worst)
+
+
+def test_strategies_not_in_the_loop_fail_before_start(shards: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Checked by train() before the process group on every rank (ranks exit 2 alike; which
     exit code `hpctrain run` shows when ranks stop at different times is the launcher's)."""
     two = ClusterEnv(world_size=2, local_world_size=2)
-    pipeline = load_config(None, [*BASE, "parallel.strategy=fsdp", "parallel.pp=2"])
-    with pytest.raises(ConfigError, match="parallel.pp=2 is not wired into `hpctrain train` yet"):
+    pipeline = load_config(None, [*BASE, "parallel.pp=2"])  # checkpoints are on by default
+    with pytest.raises(ConfigError, match="parallel.pp=2 cannot checkpoint yet"):
         check_strategy(pipeline, two)
-    zero1 = load_config(None, [*BASE, "parallel.strategy=zero1"])  # checkpoints are on by default
-    with pytest.raises(ConfigError, match="hint: checkpoint.enabled=false"):
+    tied = load_config(None, [*BASE, "parallel.pp=2", "checkpoint.enabled=false"])
+    with pytest.raises(ConfigError, match="hint: model.tie_weights=false"):
+        check_strategy(tied, two)
+    with pytest.raises(ConfigError, match=r"pp = world size \(4\) with dp=1 and tp=1"):
+        check_strategy(pipeline, ClusterEnv(world_size=4, local_world_size=4))
+    evaluating = load_config(None, [*BASE, "parallel.pp=2", "checkpoint.enabled=false", "model.tie_weights=false",
+                                    "train.eval_every_steps=5"])
+    with pytest.raises(ConfigError, match="does not validate yet"):
+        check_strategy(evaluating, two)
+    deepspeed = load_config(None, [*BASE, "parallel.strategy=deepspeed"])
+    with pytest.raises(ConfigError, match="parallel.strategy=deepspeed cannot checkpoint yet"):
+        check_strategy(deepspeed, two)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: a UserError with the install hint
+    with pytest.raises(DeepSpeedMissing, match=r"hint: pip install .*hpctrain\[deepspeed\]"):
+        check_strategy(deepspeed, two)
+    tensor = load_config(None, [*BASE, "parallel.strategy=fsdp", "parallel.tp=2"])
+    with pytest.raises(ConfigError, match="does not run tensor parallelism yet"):
+        check_strategy(tensor, two)
+    zero1 = load_config(None, [*BASE, "parallel.strategy=zero1", "checkpoint.format=dcp"])
+    with pytest.raises(ConfigError, match="hint: checkpoint.format=torch"):
         check_strategy(zero1, two)
     check_strategy(zero1, ClusterEnv())  # one process: nothing to split
-    proc = _run(2, shards, tmp_path / "z", "parallel.strategy=zero1")
-    assert proc.returncode != 0 and "zero1 cannot checkpoint yet" in proc.stderr
+    proc = _run(2, shards, tmp_path / "z", "parallel.strategy=zero1", "checkpoint.format=dcp")
+    assert proc.returncode != 0 and "zero1 checkpoints with checkpoint.format=torch" in proc.stderr
     assert not (tmp_path / "z").exists()  # failed before anything was written

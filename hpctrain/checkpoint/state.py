@@ -113,6 +113,8 @@ def snapshot(parts: Any, env: ClusterEnv, device: torch.device, cfg_dict: dict[s
     per_rank = {"rank": env.rank, "world_size": env.world_size, "rng": rng_state(device),
                 "loader": parts.train_loader.state_dict(), "counters": counters}
     sharded = _sharded_state(parts) if fmt == "dcp" else None
+    if sharded is None and env.distributed:
+        _consolidate_zero1(parts.optimizer)
     replicated = None
     if env.is_main:
         replicated = {
@@ -125,6 +127,16 @@ def snapshot(parts: Any, env: ClusterEnv, device: torch.device, cfg_dict: dict[s
             replicated["optimizer"] = parts.optimizer.state_dict()
     info = {**counters, "world_size": env.world_size, "format": fmt, "config_sha256": config_fingerprint(cfg_dict)}
     return Snapshot(counters["step"], replicated, per_rank, sharded, info)
+
+
+def _consolidate_zero1(optimizer: Any) -> None:
+    """ZeRO-1 (strategy=zero1) splits the optimizer state over the ranks: every rank sends its
+    part to rank 0, whose ``state_dict()`` is then the whole state (a one-process optimizer's
+    layout, so a resume at any world size, or into ddp, loads it; ZeRO-1 re-splits it on load)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)  # a collective: every rank, before rank 0's state_dict()
 
 
 def _sharded_state(parts: Any) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def torchrun_args(nproc: int, subcommand: list[str], *, max_restarts: int = 0, n
     args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
             f"--monitor-interval={monitor_interval}", f"--signals-to-handle={','.join(signals_to_handle(signals))}",
             f"--shutdown-timeout={shutdown_timeout}"]
-    args = [a for a in args if torchrun_accepts(a.split("=", 1)[0])]
+    args = [a for a in args if a.split("=", 1)[0] not in VERSIONED_OPTIONS or torchrun_accepts(a.split("=", 1)[0])]
     if node_rank is not None:
         args.append(f"--node-rank={node_rank}")
     if rdzv_endpoint:
@@ -62,10 +62,8 @@ def torchrun_args(nproc: int, subcommand: list[str], *, max_restarts: int = 0, n
 @functools.cache
 def torchrun_accepts(option: str) -> bool:
     """Does this torch's torchrun know ``option``? Asked of its own parser, not its version."""
-    if option not in VERSIONED_OPTIONS:
-        return True
     _, unknown = get_args_parser().parse_known_args([f"{option}=1", "script.py"])
-    if unknown:
+    if unknown and option in _FALLBACK:
         log.warning("this torch's torchrun has no %s; %s", option, _FALLBACK[option])
     return not unknown
 
@@ -110,9 +108,16 @@ def _run(argv: list[str]) -> int:
         print(f"hpctrain run: {err.sigval.name} forwarded to the ranks; all of them have exited", file=sys.stderr)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        failures = err.failures
-        first = failures[min(failures)] if failures else None
-        code = first.exitcode if first is not None and first.exitcode else 1
+        code = rank_exit_code(err)
         print(f"hpctrain run: {err.name} failed (rank exit code {code}); see the rank logs above", file=sys.stderr)
-        return code if code > 0 else 1
+        return code
     return 0
+
+
+def rank_exit_code(err: ChildFailedError) -> int:
+    """The exit code of the rank that failed first. The agent then stops the others with
+    SIGTERM (a negative code), so rank 0 may well show -15 while rank 1's 2 (bad input) is
+    the cause; a batch script must see the 2, not a generic 1."""
+    by_time = sorted(err.failures.values(), key=lambda f: f.timestamp)
+    own = [f.exitcode for f in by_time if f.exitcode > 0]
+    return own[0] if own else 1

@@ -211,7 +211,10 @@ def remeasure_cpu_peak(peak: Peak, achieved: float, dtype: torch.dtype = torch.f
 
 def _probe(dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
     """Best of repeated n x n matmuls: the best run is the least disturbed by other work."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    # A generator of its own: the probe runs inside training (first step, or again when a
+    # run beats it) and must not move the global RNG that dropout and data order draw from.
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen).to(dtype), torch.randn(n, n, generator=gen).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
     torch.mm(a, b, out=out)  # warm-up: thread pool and kernel selection
     best, deadline, reps = float("inf"), time.perf_counter() + seconds, 0
