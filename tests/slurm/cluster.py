@@ -34,8 +34,11 @@ FAST, SLOW = "model.name=tests.models:tiny_mlp", "model.name=tests.models:slow_m
 
 def base_env() -> dict[str, str]:
     """This environment without launcher or Slurm variables, with the repo importable (tests.models)."""
+    # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: tests/dist_utils.py pins gloo to `lo` for the
+    # one-host tests; inherited here, ranks on two hosts would offer each other 127.0.0.1
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "TORCHELASTIC_", "GROUP_RANK"))}
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "TORCHELASTIC_", "GROUP_RANK",
+                                "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep)
     return env
 
