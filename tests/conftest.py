@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,3 +27,14 @@ def _clean_launcher_env(monkeypatch):
         if name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "GROUP_RANK") or name.startswith(("SLURM_", "TORCHELASTIC_")):
             monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def shakespeare_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dozen plays (h*, m*) as 32-token windows, packed once per test session for every
+    GPT test (fast; the whole corpus is data.name=shakespeare)."""
+    from hpctrain.data.text import write_text_shards
+
+    out = tmp_path_factory.mktemp("shakespeare") / "s"
+    write_text_shards("shakespeare", out, seq_len=32, glob="*shksprdata/texts/[hm]*_gut.txt")
+    return out

@@ -69,7 +69,23 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
     return [results[r] for r in range(world)]
 
 
+# Every test runs its ranks on this one host: pin gloo to loopback, so a container whose
+# hostname does not resolve still connects. Subprocesses inherit it; the real 2-node Slurm
+# tests drop it again (tests/slurm/cluster.py base_env), as their nodes talk over veths.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "TORCHELASTIC_", "GROUP_RANK")
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment for an `hpctrain` / torchrun subprocess started by a test: this
+    process's, without launcher variables (the child is a fresh job), with the checkout on
+    PYTHONPATH, gloo on loopback and one thread per rank; ``extra`` on top."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", GLOO_SOCKET_IFNAME="lo",
+               OMP_NUM_THREADS="1", **extra)
+    return env
 
 
 def finish_launch(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, str]:

@@ -22,7 +22,7 @@ from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.state import REPLICATED_TENSORS
 from hpctrain.config import load_config
 from hpctrain.train import train
-from tests.dist_utils import free_port
+from tests.dist_utils import free_port, launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 60
@@ -61,10 +61,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rank_env(rank: int, world: int, port: int, launcher: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(
-        ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "TORCHELASTIC_", "GROUP_RANK"))}
-    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = launch_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if launcher == "plain":  # what torchrun would set, without torchrun
         env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     else:  # the variables of a plain `srun -n WORLD` step

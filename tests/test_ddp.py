@@ -1,7 +1,6 @@
 """DDP on real gloo ranks equals one process with the global batch; accumulation equals a big batch."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from hpctrain.config import load_config
 from hpctrain.data import build_data
 from hpctrain.parallel import unwrap
 from hpctrain.train import build_components, fit
-from tests.dist_utils import run_ranks
+from tests.dist_utils import launch_env, run_ranks
 
 STEPS = 10
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,10 +141,7 @@ def test_no_sync_dispatch():
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
-                                                                        "SLURM_", "TORCHELASTIC_", "GROUP_RANK"))}
-    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1")
+    env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "hpctrain", "train", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

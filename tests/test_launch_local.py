@@ -20,21 +20,13 @@ import pytest
 from hpctrain.checkpoint import layout
 from hpctrain.errors import EXIT_PREEMPTED
 from hpctrain.launch.local import signals_to_handle, torchrun_accepts, torchrun_args
-from tests.dist_utils import finish_launch
+from tests.ckpt_models import SLOW_RUN_ARGS
+from tests.dist_utils import finish_launch, launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["model.name=tests.ckpt_models:slow_mlp", "data.name=synthetic_tiny", "data.synthetic_size=1024",
-        "data.batch_size=16", "data.max_val_samples=64", "train.epochs=2", "train.log_every=1",
-        "train.progress=false", "checkpoint.every_seconds=None", "train.threads=1"]
+ARGS = SLOW_RUN_ARGS
 TIMEOUT = 120
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
-                                                                        "SLURM_", "TORCHELASTIC_", "GROUP_RANK"))}
-    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1")
-    return env
+_env = launch_env
 
 
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen[bytes]:

