@@ -5,6 +5,11 @@ padding repeats). Ranks agree up front on the number of batches; a rank that run
 forwards a masked zero-weight batch, so a model whose forward holds collectives (FSDP)
 never hangs. Metric states are all-gathered and merged in rank order, so every rank gets
 the same, single-process-exact numbers.
+
+Under tensor (or pipeline) parallelism the ranks of one model replica read the same shard
+(``hpctrain.strategy.data_env``) and compute the same outputs: pass ``group``, the replicas'
+data-parallel process group (:func:`hpctrain.parallel.mesh.dp_group`), so each sample is
+merged once, within each dp group, instead of once per tp rank.
 """
 
 from __future__ import annotations
@@ -44,9 +49,12 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], env: ClusterEnv,
              device: torch.device, precision: Precision | None = None,
-             collect_predictions: bool = False, task: Task | None = None) -> EvalResult:
+             collect_predictions: bool = False, task: Task | None = None,
+             group: dist.ProcessGroup | None = None) -> EvalResult:
     """Run ``metrics`` over ``loader`` on every rank and return the global values on every rank.
-    ``task`` (default: classification) runs the forward and turns it into per-target losses."""
+    ``task`` (default: classification) runs the forward and turns it into per-target losses.
+    ``group``: the data-parallel replicas this rank merges with (None: every rank holds its own
+    shard); every rank of the world calls this, each with its own dp group."""
     task = task or Classification()
     start = time.perf_counter()
     net = model.module if isinstance(model, DistributedDataParallel) else model  # no DDP syncs in eval
@@ -66,13 +74,14 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
                 predictions += _prediction_rows(out)
     finally:
         net.train(was_training)
-    merged = _merge(metrics, env)
-    gathered = gather_predictions(predictions, env) if collect_predictions else []
+    merged = _merge(metrics, env, group)
+    gathered = gather_predictions(predictions, env, group) if collect_predictions else []
     return EvalResult(merged, time.perf_counter() - start, gathered)
 
 
 def _lockstep(loader: EvalBatches, env: ClusterEnv, device: torch.device) -> Iterator[Batch]:
-    """The loader's batches, then masked padding batches up to the largest count of any rank."""
+    """The loader's batches, then masked padding batches up to the largest count of any rank
+    (of the whole world: the tp ranks and stages of a replica step together with the others)."""
     local = len(loader)
     steps = _all_reduce_max(local, env, device)
     template: Batch | None = None
@@ -107,34 +116,48 @@ def _prediction_rows(out: EvalOutput) -> list[dict[str, Any]]:
             for k, p, t, loss in zip(keys, preds, out.targets.tolist(), losses.tolist())]
 
 
-def _merge(metrics: Sequence[Metric], env: ClusterEnv) -> dict[str, Any]:
-    """All-gather each metric state and fold it in rank order (deterministic sums)."""
+def _group_size(env: ClusterEnv, group: dist.ProcessGroup | None) -> int:
+    """How many shards are merged: the replicas in ``group``, or every rank."""
+    if not env.distributed:
+        return 1
+    return env.world_size if group is None else dist.get_world_size(group)
+
+
+def _merge(metrics: Sequence[Metric], env: ClusterEnv, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """All-gather each metric state within ``group`` and fold it in group-rank order (deterministic sums)."""
+    size = _group_size(env, group)
     result: dict[str, Any] = {}
     for metric in metrics:
-        if env.distributed:
-            metric.merge(_all_gather_states(metric.states, env))
+        if size > 1:
+            metric.merge(_all_gather_states(metric.states, size, group))
         result.update(metric.compute())
     return result
 
 
-def _all_gather_states(states: dict[str, torch.Tensor], env: ClusterEnv) -> list[dict[str, torch.Tensor]]:
-    per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(env.world_size)]
+def _all_gather_states(states: dict[str, torch.Tensor], size: int,
+                       group: dist.ProcessGroup | None) -> list[dict[str, torch.Tensor]]:
+    per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
     backend_device = collective_device()
     for name, tensor in states.items():
         local = tensor.to(backend_device)
-        parts = [torch.empty_like(local) for _ in range(env.world_size)]
-        dist.all_gather(parts, local)
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local, group=group)
         for rank, part in enumerate(parts):
             per_rank[rank][name] = part.cpu()
     return per_rank
 
 
-def gather_predictions(rows: list[dict[str, Any]], env: ClusterEnv) -> list[dict[str, Any]]:
-    """Per-sample rows of every rank, on rank 0 (empty elsewhere), in rank order."""
-    if not env.distributed:
-        return rows
-    gathered: list[Any] = [None] * env.world_size if env.is_main else []
-    dist.gather_object(rows, gathered if env.is_main else None, dst=0)
+def gather_predictions(rows: list[dict[str, Any]], env: ClusterEnv,
+                       group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
+    """Per-sample rows of every replica, on rank 0 (empty elsewhere), in rank order. With a dp
+    ``group``, only rank 0's group gathers (the other groups hold the same rows again)."""
+    if _group_size(env, group) == 1:
+        return rows if env.is_main else []
+    if group is not None and 0 not in dist.get_process_group_ranks(group):
+        return []
+    size = _group_size(env, group)
+    gathered: list[Any] = [None] * size if env.is_main else []
+    dist.gather_object(rows, gathered if env.is_main else None, dst=0, group=group)
     return [row for part in gathered for row in part] if env.is_main else []
 
 

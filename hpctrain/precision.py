@@ -9,6 +9,7 @@ import torch
 
 PrecisionMode = Literal["fp32", "bf16", "fp16"]  # the top-level config key `precision`
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_NO_AUTOCAST = contextlib.nullcontext()  # fp32: one shared, reusable context for every micro-step
 
 
 class Precision:
@@ -24,7 +25,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.mode == "fp32":
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=_DTYPES[self.mode])
 
     def backward(self, loss: torch.Tensor) -> None:

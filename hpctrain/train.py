@@ -11,52 +11,53 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
 from tqdm import tqdm
 
 from hpctrain import env as cluster
 from hpctrain.checkpoint import Checkpointer
 from hpctrain.checkpoint.preempt import SignalFlag, write_status
 from hpctrain.config import Config, ConfigError, check_world, for_world, to_yaml
-from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data
+from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data, eval_batch_size
 from hpctrain.evaluate import EvalResult, evaluate
 from hpctrain.metrics import Metric
 from hpctrain.models import build_model
 from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
 from hpctrain.parallel import build_parallel, build_pipeline_step, unwrap
 from hpctrain.parallel.clip import clip_grad_norm_
-from hpctrain.parallel.config import SHARDED
 from hpctrain.parallel.ddp import no_sync
-from hpctrain.parallel.deepspeed import DeepSpeedStep, import_deepspeed, init_deepspeed
-from hpctrain.parallel.fsdp import FSDPModule, sharded_grad_scaler
+from hpctrain.parallel.deepspeed import DeepSpeedStep, init_deepspeed
+from hpctrain.parallel.fsdp import sharded_grad_scaler
+from hpctrain.parallel.mesh import dp_group
 from hpctrain.parallel.meta import on_meta
-from hpctrain.parallel.pipeline import PipelineStep, local_stage_ids
+from hpctrain.parallel.pipeline import PipelineStep
+from hpctrain.parallel.pipeline_eval import evaluate_pipeline
 from hpctrain.parallel.zero import zero1_from
 from hpctrain.precision import Precision
 from hpctrain.rundir import (
     atomic_write_text,
     check_run_dir,
     missing_dirs,
-    params_sha256,
     prepare_run_dir_together,
     remove_empty_dirs,
     resolve_run_dir,
-    save_model,
     write_json,
 )
+from hpctrain.strategy import check_strategy, data_env, is_sharded, model_mesh, sharded_checkpoints
 from hpctrain.tasks import Classification, Task, resolve_task
 from hpctrain.telemetry.loop import Telemetry
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER
+from hpctrain.weights import save_model_streamed
 
 log = logging.getLogger("hpctrain")
+_NO_CONTEXT = contextlib.nullcontext()  # reusable; one fewer object per micro-step on the hot path
 
 
 @dataclass
@@ -91,6 +92,9 @@ class Components:
     # parallel.pp > 1: runs forward + backward, ``model`` is this rank's stage(s); strategy=deepspeed:
     # forward, backward and (closing an accumulation window) the optimizer step, ``model`` is the engine
     step: PipelineStep | DeepSpeedStep | None = None
+    # the (pp, dp, tp) mesh the model was parallelized over, built once (mesh_for); evaluation merges
+    # over its dp group (hpctrain.parallel.mesh.dp_group). None: one process, or data parallel over the world
+    mesh: DeviceMesh | None = None
 
 
 @dataclass
@@ -143,140 +147,56 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
                            config=cfg.model)
 
     step: PipelineStep | DeepSpeedStep | None = None
+    mesh = model_mesh(cfg, env, device)
     if cfg.parallel.pp > 1:
-        model, step = _pipeline(cfg, env, device, factory, task)
+        model, step = _pipeline(cfg, env, device, factory, task, mesh)
     else:  # seeded: identical initial weights on every rank (under parallel.meta_init, rank 0's, scattered)
         model = build_parallel(factory, env, cfg.parallel, device=device, seed=cfg.seed, compile=cfg.train.compile,
-                               precision=cfg.precision)
+                               precision=cfg.precision, mesh=mesh)
     global_batch = cfg.data.batch_size * data_env(cfg, env).world_size * cfg.train.grad_accum
     optimizer = build_optimizer(model, cfg.optim, peak_lr(cfg.optim, global_batch))
     if cfg.parallel.strategy == "zero1" and env.distributed:
         optimizer = zero1_from(optimizer)  # the optimizer state split over the ranks; DDP all-reduces
-    if cfg.parallel.strategy == "deepspeed":
-        model, step = _deepspeed(cfg, env, model, optimizer, task)
     steps = total_steps(cfg, len(data.train_loader))
     needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
     scheduler = build_scheduler(optimizer, cfg.optim, steps) if needs_schedule else None
+    if cfg.parallel.strategy == "deepspeed":  # the engine steps the schedule (handed over by _deepspeed)
+        model, step = _deepspeed(cfg, env, model, optimizer, task, scheduler)
     precision = Precision(cfg.precision, device)
-    if is_sharded(model) and precision.scaler is not None:
-        precision.scaler = sharded_grad_scaler(device)  # its inf check sees every rank's shard
+    if (is_sharded(model) or isinstance(step, PipelineStep)) and precision.scaler is not None:
+        precision.scaler = sharded_grad_scaler(device)  # its inf check sees every rank's shard (and stage)
+    if isinstance(step, PipelineStep):
+        step.grad_scaler = precision.scaler  # fp16: the schedule's loss function scales the loss
     whole = is_sharded(model) or step is not None  # FLOPs from the whole model on meta
     return Components(model, optimizer, scheduler, precision, data.train_loader, data.val_loader,
-                      task.metrics(num_classes), task=task, flops_model=on_meta(factory) if whole else None, step=step)
+                      task.metrics(num_classes), task=task, flops_model=on_meta(factory) if whole else None, step=step,
+                      mesh=mesh)
 
 
 def _pipeline(cfg: Config, env: cluster.ClusterEnv, device: torch.device, factory: Any,
-              task: Task) -> tuple[nn.Module, PipelineStep]:
+              task: Task, mesh: DeviceMesh | None = None) -> tuple[nn.Module, PipelineStep]:
     """parallel.pp > 1: the whole model built seeded (as one process builds it), cut into this
-    rank's stage(s) behind the schedule's step function; the loss is the task's."""
+    rank's stage(s) on the run's ``mesh`` (FSDP over its dp dim) behind the schedule's step
+    function; the loss is the task's."""
     torch.manual_seed(cfg.seed)
     step = build_pipeline_step(factory().to(device), env, cfg.parallel, device=device,
                                loss_fn=lambda out, tgt: task.loss(out, tgt, None), grad_accum=cfg.train.grad_accum,
-                               precision=cfg.precision)
-    model = step.modules[0] if len(step.modules) == 1 else nn.ModuleList(step.modules)
-    return model, step
+                               precision=cfg.precision, mesh=mesh)
+    return step.model, step
 
 
 def _deepspeed(cfg: Config, env: cluster.ClusterEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
-               task: Task) -> tuple[nn.Module, DeepSpeedStep]:
+               task: Task, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+               ) -> tuple[nn.Module, DeepSpeedStep]:
     """strategy=deepspeed: the engine (ZeRO parallel.deepspeed_stage) around the model and its
-    optimizer; DeepSpeed reduces, clips (train.clip_grad_norm) and steps; the loss is the task's."""
+    optimizer; DeepSpeed reduces, clips (train.clip_grad_norm), steps the optimizer and then the
+    lr ``scheduler`` (built over ``optimizer``, whose param groups ZeRO keeps using), once per
+    accumulation window, as ``_optimizer_step`` does for the other strategies; the loss is the task's."""
     engine = init_deepspeed(model, optimizer, env=env, stage=cfg.parallel.deepspeed_stage,
                             micro_batch=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
-                            clip_grad_norm=cfg.train.clip_grad_norm or 0.0, precision=cfg.precision)
+                            clip_grad_norm=cfg.train.clip_grad_norm or 0.0, precision=cfg.precision,
+                            scheduler=scheduler)
     return engine, DeepSpeedStep(engine, lambda out, tgt: task.loss(out, tgt, None))
-
-
-def data_env(cfg: Config, env: cluster.ClusterEnv) -> cluster.ClusterEnv:
-    """The world as the data sees it: the stages of one pipeline read the same batches, so
-    the data is split over the data-parallel replicas only (the loop runs pp = world size)."""
-    if cfg.parallel.pp == 1:
-        return env
-    return replace(env, rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1)
-
-
-def check_strategy(cfg: Config, env: cluster.ClusterEnv) -> None:
-    """What ``hpctrain train`` runs today: ddp, zero1, fsdp, hsdp, deepspeed and pipeline
-    stages (each of the last two with the limits its check names); no tensor parallelism."""
-    p = cfg.parallel
-    if p.tp > 1:  # the data and the eval metrics are split by rank, not yet by tensor-parallel group
-        raise ConfigError(
-            f"parallel.tp={p.tp}: the trainer does not run tensor parallelism yet (its ranks would read different "
-            "batches and evaluation would count samples tp times); it is available as a library "
-            "(hpctrain.parallel.parallelize, docs/parallel.md); hint: parallel.tp=1 with strategy=fsdp")
-    if p.strategy == "deepspeed":
-        _check_deepspeed_loop(cfg)
-    if p.pp > 1:
-        _check_pipeline_loop(cfg, env)
-    if p.strategy == "zero1" and cfg.checkpoint.enabled and cfg.checkpoint.format == "dcp" and env.distributed:
-        raise ConfigError("parallel.strategy=zero1 checkpoints with checkpoint.format=torch (rank 0 writes the "
-                          "optimizer state consolidated from every rank), not dcp; hint: checkpoint.format=torch")
-
-
-def _check_deepspeed_loop(cfg: Config) -> None:
-    """What the loop runs under strategy=deepspeed today: DeepSpeed owns the step, so no
-    hpctrain checkpoints (its state is DeepSpeed's) and no lr schedule beside its optimizer."""
-    import_deepspeed()  # DeepSpeedMissing (a UserError) with the install hint, before the process group
-    if cfg.checkpoint.enabled:
-        raise ConfigError("parallel.strategy=deepspeed cannot checkpoint yet (DeepSpeed holds the optimizer and "
-                          "the partitioned state); hint: checkpoint.enabled=false, or parallel.strategy=fsdp")
-    if cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0:
-        raise ConfigError(f"parallel.strategy=deepspeed runs a constant lr today (optim.schedule="
-                          f"{cfg.optim.schedule}, optim.warmup_steps={cfg.optim.warmup_steps}); hint: "
-                          "optim.schedule=constant optim.warmup_steps=0")
-
-
-def _check_pipeline_loop(cfg: Config, env: cluster.ClusterEnv) -> None:
-    """What the loop runs under parallel.pp > 1 today: pipeline stages only (pp = world size,
-    no dp or tp beside them), fp32/bf16, no checkpoints and no validation."""
-    p = cfg.parallel
-    if p.pp != env.world_size or p.tp > 1 or p.dp > 1:
-        raise ConfigError(f"parallel.pp={p.pp} in `hpctrain train` needs pp = world size ({env.world_size}) with "
-                          f"dp=1 and tp=1 (got dp={p.dp or 'auto'}, tp={p.tp}); hint: run `-n {p.pp}`, or "
-                          "hpctrain.parallel.build_pipeline_step in your own loop for dp x tp x pp")
-    if cfg.checkpoint.enabled:
-        raise ConfigError(f"parallel.pp={p.pp} cannot checkpoint yet (each rank holds one stage); "
-                          "hint: checkpoint.enabled=false")
-    if cfg.train.eval_every_steps:
-        raise ConfigError(f"parallel.pp={p.pp} does not validate yet (the eval forward would run through the "
-                          "stages); hint: train.eval_every_steps=0 (validate the saved model.pt with one process)")
-    if cfg.precision == "fp16":
-        raise ConfigError(f"parallel.pp={p.pp} has no fp16 loss scaling; hint: precision=bf16 or fp32")
-    if cfg.train.compile or p.meta_init:
-        raise ConfigError(f"parallel.pp={p.pp} builds its stages without train.compile or parallel.meta_init yet; "
-                          "hint: train.compile=false parallel.meta_init=false")
-    if cfg.model.tie_weights and cfg.model.name == "gpt":
-        raise ConfigError(f"parallel.pp={p.pp}: the first and last stages cannot share the tied embedding; "
-                          "hint: model.tie_weights=false")
-
-
-def sharded_checkpoints(cfg: Config) -> Config:
-    """Sharded strategies (fsdp, hsdp, tensor parallel) checkpoint with DCP: each rank writes its
-    shards, and a resume at another world size reshards them. checkpoint.format=torch (rank 0
-    writes whole state) cannot hold them, so it is switched, said once in the log."""
-    p = cfg.parallel
-    if cfg.checkpoint.format == "dcp" or not cfg.checkpoint.enabled or (p.strategy not in SHARDED and p.tp == 1):
-        return cfg
-    log.info("parallel.strategy=%s%s: checkpoint.format=dcp (sharded state)", p.strategy,
-             f", tp={p.tp}" if p.tp > 1 else "")
-    return replace(cfg, checkpoint=replace(cfg.checkpoint, format="dcp"))
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Does this rank hold shards (FSDP, tensor parallel) rather than whole parameters? (FSDP's
-    parameters are whole between a forward and its backward: ZeRO-2 after an eval forward.)"""
-    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
-        isinstance(param, DTensor) for param in model.parameters())
-
-
-def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state, gathered to rank 0's CPU (other ranks get an empty dict when the
-    model is sharded); every rank calls it (a collective when sharded)."""
-    if not is_sharded(model):
-        return unwrap(model).state_dict()
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {name: value for name, value in get_model_state_dict(model, options=options).items()
-            if isinstance(value, torch.Tensor)}
 
 
 # ---------------------------------------------------------------- the loop
@@ -310,6 +230,7 @@ def _fit(loop: Loop) -> LoopResult:
     loop.steps_goal = total_steps(cfg, len(loop.parts.train_loader))
     bar = tqdm(total=loop.steps_goal, initial=counters.step, unit="step", dynamic_ncols=True,
                disable=not (cfg.train.progress and loop.env.is_main), mininterval=0.5, file=sys.stderr)
+    tel.memory.arm(loop.parts.model, loop.parts.optimizer)  # once: the first step's memory breakdown
     tel.start(counters.step)
     try:
         while counters.epoch < cfg.train.epochs and counters.step < loop.steps_goal:
@@ -338,12 +259,14 @@ def _train_epoch(loop: Loop, bar: tqdm) -> bool:
     loader.set_epoch(counters.epoch)
     start, usable = accumulation_window(loader.batches_done, len(loader), accum)
     losses: list[torch.Tensor] = []  # summed only when a row is logged: no per-step tensor op
+    on_device, show = loop.device.type != "cpu", not bar.disable  # hot path: no call where nothing happens
     batches = _epoch_batches(loader) if start < usable else iter(())
     for micro in range(start, usable):
         batch = next(batches, None)
         if batch is None:
             break
-        batch = batch.to(loop.device, non_blocking=True)
+        if on_device:
+            batch = batch.to(loop.device, non_blocking=True)
         meter.lap(DATA)
         last_micro = (micro - start + 1) % accum == 0
         losses.append(_micro_step(loop, batch, sync=last_micro))
@@ -353,7 +276,8 @@ def _train_epoch(loop: Loop, bar: tqdm) -> bool:
         counters.step += 1
         counters.samples_seen += meter.global_batch
         meter.lap(OPTIM)
-        bar.update(1)
+        if show:
+            bar.update(1)
         if counters.step % loop.cfg.train.log_every == 0:
             _log_row(loop, losses)
             losses = []
@@ -376,7 +300,7 @@ def _micro_step(loop: Loop, batch: Batch, sync: bool) -> torch.Tensor:
             loss = parts.step(inputs, targets)  # DeepSpeed: its own bf16/fp16 (ds_config), and step
         meter.lap(BACKWARD)
         return loss / accum if accum > 1 else loss
-    with no_sync(parts.model, skip=not sync):
+    with _NO_CONTEXT if sync else no_sync(parts.model, skip=True):  # inner micro-steps of accumulation only
         with parts.precision.autocast():
             loss = parts.task.loss(parts.model(inputs), targets, batch.mask)
             if accum > 1:
@@ -395,8 +319,9 @@ def _count_first_batch(loop: Loop, batch: Batch, inputs: torch.Tensor) -> None:
     model_view = Batch(inputs, batch.targets, batch.keys, batch.mask)
     meter = loop.tel.meter
     meter.first_batch(loop.parts.flops_model or unwrap(loop.parts.model), model_view, tokens=tokens)
-    if isinstance(loop.parts.step, PipelineStep) and meter.step_flops is not None:
-        meter.step_flops //= loop.cfg.parallel.pp  # one rank runs one stage: about 1/pp of the model's FLOPs
+    split = loop.cfg.parallel.pp * loop.cfg.parallel.tp
+    if split > 1 and meter.step_flops is not None:  # one rank runs one stage, 1/tp of each block's matmuls:
+        meter.step_flops //= split  # about 1/(pp x tp) of the replica's FLOPs
 
 
 def _after_step(loop: Loop) -> bool:
@@ -477,10 +402,14 @@ def _mean_over_ranks(value: torch.Tensor, env: cluster.ClusterEnv) -> float:
 
 def _validate(loop: Loop) -> None:
     parts, result = loop.parts, loop.result
-    if parts.val_loader is None or isinstance(parts.step, PipelineStep):  # pp: not yet (check_strategy says so)
+    if parts.val_loader is None:
         return
-    res = evaluate(parts.model, parts.val_loader, parts.metrics, loop.env, loop.device, parts.precision,
-                   task=parts.task)
+    if isinstance(parts.step, PipelineStep):  # pp: forward through the stages, metrics on the last
+        res = evaluate_pipeline(parts.step, parts.val_loader, parts.metrics, loop.env, loop.device,
+                                parts.precision, task=parts.task, batch_size=eval_batch_size(loop.cfg))
+    else:
+        res = evaluate(parts.model, parts.val_loader, parts.metrics, loop.env, loop.device, parts.precision,
+                       task=parts.task, group=dp_group(parts.mesh))  # tp ranks share a shard: merge over dp
     result.eval_seconds += res.seconds
     result.last_eval, result.last_eval_step = res, parts.counters.step
     scalars = {f"val_{k}": v for k, v in res.metrics.items() if isinstance(v, (int, float))}
@@ -520,8 +449,8 @@ def _improved(cfg: Config, name: str, row: dict[str, Any], best: dict[str, Any])
 def train(cfg: Config) -> dict[str, Any]:
     """``hpctrain train``: returns the summary (written to RUN_DIR/summary.json by rank 0)."""
     env = cluster.detect()
-    check_world(cfg, env.world_size)
     check_strategy(cfg, env)  # every rank, before the group: all fail alike with exit 2
+    check_world(cfg, data_env(cfg, env).world_size)  # the global batch is split over the dp replicas only
     given, cfg = cfg, for_world(cfg, data_env(cfg, env).world_size)  # global_batch_size -> micro-batch, accum
     cfg = sharded_checkpoints(cfg)
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
@@ -547,13 +476,13 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
     signals.install()  # early: a preemption during set-up must not kill the job unsaved
     configure_runtime(cfg, env)
     data = build_data(cfg, data_env(cfg, env), device)
-    if cfg.parallel.pp > 1 and env.is_main:
-        log.warning("parallel.pp=%d: no validation yet; validate the saved model.pt with one process", cfg.parallel.pp)
     parts = build_components(cfg, env, device, data)
     if parts.val_loader is not None:  # a misspelt train.best_metric fails now, not after the first validation
         names = {f"val_{k}": v for m in parts.metrics for k, v in m.compute().items() if isinstance(v, (int, float))}
         _improved(cfg, best_metric(cfg, parts.task), names, {})
-    seed_everything(cfg.seed + env.rank)  # dropout etc. differ per rank; data order does not
+    # dropout etc. differ per replica; the tp ranks of one replica draw the same masks on the
+    # activations they all hold (data order is the same everywhere)
+    seed_everything(cfg.seed + data_env(cfg, env).rank)
     ckpt = Checkpointer(cfg, env, device, run_dir, parts, signals) if cfg.checkpoint.enabled else None
     if ckpt is not None:
         ckpt.resume(cfg.resume)  # before metrics.jsonl opens: resume trims rows past the checkpoint
@@ -561,10 +490,12 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
     if env.is_main:
         atomic_write_text(run_dir / "config.yaml", to_yaml(given or cfg))
         write_status(run_dir, "running", step=parts.counters.step)
+        replicas = data_env(cfg, env).world_size  # tp ranks and pipeline stages of a replica share its batch
         log.info("training %s on %s: %d train / %d val samples, world size %d, device %s; global batch %d = "
-                 "%d per rank x %d micro-steps x %d ranks", cfg.model.name, cfg.data.name, data.train_size,
-                 data.val_size, env.world_size, device, cfg.data.batch_size * cfg.train.grad_accum * env.world_size,
-                 cfg.data.batch_size, cfg.train.grad_accum, env.world_size)
+                 "%d per rank x %d micro-steps x %d %s", cfg.model.name, cfg.data.name, data.train_size,
+                 data.val_size, env.world_size, device, cfg.data.batch_size * cfg.train.grad_accum * replicas,
+                 cfg.data.batch_size, cfg.train.grad_accum, replicas,
+                 "ranks" if replicas == env.world_size else "data-parallel replicas")
     try:
         result = _run_loop(Loop(cfg, env, device, parts, tel, ckpt))
     except BaseException:
@@ -576,13 +507,9 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
         tel.close()
     if result.preempted:
         return _preempted(env, run_dir, parts, ckpt)
-    # every rank: gathers a sharded model (to rank 0's CPU and the others') or the pipeline's stages
-    weights = (pipeline_full_state(cfg, env, parts.model) if isinstance(parts.step, PipelineStep)
-               else deepspeed_full_state(parts.model, env) if isinstance(parts.step, DeepSpeedStep)
-               else full_state(parts.model))
-    summary = _summary(cfg, env, parts, result, weights)
+    digest = save_model_streamed(cfg, env, parts, run_dir / "model.pt")  # every rank: gathers tensor by tensor
+    summary = _summary(cfg, env, parts, result, digest)
     if env.is_main:
-        save_model(weights, run_dir / "model.pt")
         write_json(run_dir / "summary.json", summary)
         write_status(run_dir, "finished", step=parts.counters.step)
         shown = ("steps", "val_loss", "val_perplexity" if summary["val_perplexity"] is not None else "val_accuracy",
@@ -597,9 +524,10 @@ def _build_telemetry(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
     is missing fails every rank here, before config.yaml or status.json is written."""
     try:
         tel = Telemetry.build(cfg, env, device, parts.counters.step, run_dir)
-        if isinstance(parts.step, PipelineStep):  # pp: the stages of one pipeline share their samples (and tokens)
-            tel.meter.global_batch = cfg.data.batch_size * data_env(cfg, env).world_size * cfg.train.grad_accum
-            tel.meter.world_size = data_env(cfg, env).world_size
+        replicas = data_env(cfg, env).world_size
+        if replicas != env.world_size:  # tp / pp: the ranks of one replica share their samples (and tokens)
+            tel.meter.global_batch = cfg.data.batch_size * replicas * cfg.train.grad_accum
+            tel.meter.world_size = replicas
         return tel
     except BaseException:
         signals.uninstall()
@@ -630,56 +558,13 @@ def _run_loop(loop: Loop) -> LoopResult:
     return result
 
 
-def pipeline_full_state(cfg: Config, env: cluster.ClusterEnv, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state on rank 0 (others: empty), from every rank's stage(s); a stage's
-    ``blocks.i`` is renumbered to the whole model's block index. Every rank calls it."""
-    p = cfg.parallel
-    modules = list(model) if isinstance(model, nn.ModuleList) else [model]
-    ids = local_stage_ids(env.rank, p.pp, p.pp_schedule, p.virtual_stages)
-    mine = [(i, len(list(m.get_submodule("blocks").children())),
-             {k: v.detach().cpu() for k, v in m.state_dict().items()}) for i, m in zip(ids, modules)]
-    gathered: list[Any] = [None] * env.world_size if env.is_main else []
-    torch.distributed.gather_object(mine, gathered if env.is_main else None, dst=0)
-    if not env.is_main:
-        return {}
-    full: dict[str, torch.Tensor] = {}
-    offset = 0
-    for _, n_blocks, state in sorted((s for rank in gathered for s in rank), key=lambda s: s[0]):
-        for key, value in state.items():
-            parts = key.split(".")
-            if parts[0] == "blocks":
-                parts[1] = str(int(parts[1]) + offset)
-            full[".".join(parts)] = value
-        offset += n_blocks
-    return full
-
-
-def deepspeed_full_state(engine: Any, env: cluster.ClusterEnv) -> dict[str, torch.Tensor]:
-    """The whole model's state on rank 0's CPU: ZeRO-3 gathers its partitioned parameters (every
-    rank calls it); ZeRO-1/2 keep whole parameters on every rank."""
-    if engine.zero_optimization_stage() == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # DeepSpeed's own gather, to rank 0
-        return {k: v.detach().cpu() for k, v in state.items()} if env.is_main and state else {}
-    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
-
-
-def _params_sha256(model: nn.Module, weights: dict[str, torch.Tensor], env: cluster.ClusterEnv,
-                   whole: nn.Module | None = None) -> str:
-    """The weights' hash on every rank; a sharded (or pipelined) model's full weights are on rank 0 only;
-    ``whole``: the whole model (on meta) whose parameter names they carry."""
-    if whole is None and not is_sharded(model):
-        return params_sha256(unwrap(model))
-    digest = [params_sha256(whole or unwrap(model), weights) if env.is_main else ""]
-    torch.distributed.broadcast_object_list(digest, src=0)
-    return str(digest[0])
-
-
 def skipped_samples(parts: Components, env: cluster.ClusterEnv) -> int:
-    """Corrupt samples skipped under data.on_corrupt=skip, summed over ranks (never silent)."""
+    """Corrupt samples skipped under data.on_corrupt=skip, summed over the data-parallel replicas
+    (never silent; the tp ranks and stages of a replica read, and skip, the same samples)."""
     local = torch.tensor([getattr(parts.train_loader, "skipped", 0)], dtype=torch.int64)
     if env.distributed:
         local = local.to(cluster.collective_device())
-        torch.distributed.all_reduce(local)
+        torch.distributed.all_reduce(local, group=dp_group(parts.mesh))
     return int(local.item())
 
 
@@ -695,7 +580,7 @@ def _preempted(env: cluster.ClusterEnv, run_dir: Path, parts: Components, ckpt: 
 
 
 def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: LoopResult,
-             weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+             params_digest: str) -> dict[str, Any]:
     metrics = result.last_eval.metrics if result.last_eval else {}
     samples = parts.counters.samples_seen
     samples_per_s = samples / result.train_seconds if result.train_seconds else 0.0
@@ -714,7 +599,7 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
         "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
         "data_wait_share": result.data_wait_seconds / result.train_seconds if result.train_seconds else 0.0,
         "best": result.best,
-        "params_sha256": _params_sha256(parts.model, weights, env, parts.flops_model if parts.step else None),
+        "params_sha256": params_digest,  # of model.pt's parameters (save_model_streamed)
         "skipped_samples": skipped_samples(parts, env),
         "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name, "outcome": "finished",
     }

@@ -5,6 +5,7 @@ behaviour do."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import torch
 
 from hpctrain.bench.runner import RunStats, Steps, launch, steady
 from hpctrain.bench.scaling import plan, table_rows
-from hpctrain.bench.strategies import missing_support
+from hpctrain.bench.strategies import cases, refusal
 from hpctrain.cli import main
 from hpctrain.errors import RunError
 
@@ -32,7 +33,8 @@ ROW_KEYS = {
     "checkpoint": {"operation", "method", "GBps", "vs_dd"},
     "scaling": {"ranks", "plain_samples_per_s", "hpctrain_samples_per_s", "plain_speedup", "hpctrain_speedup",
                 "plain_efficiency", "hpctrain_efficiency"},
-    "strategies": {"strategy", "tokens_per_s", "mem_max_gb", "mem_per_rank_gb"},
+    "strategies": {"strategy", "status", "tokens_per_s", "tokens_vs_ddp", "mem_max_gb", "mem_per_rank_gb", "params_mb",
+                   "grads_mb", "optimizer_mb", "activations_mb", "breakdown"},
 }
 
 
@@ -107,18 +109,48 @@ def test_scaling_one_and_two_ranks_hpctrain_and_plain_ddp(tmp_path, capsys):
                                                                   >= last["plain_efficiency"])
 
 
-def test_strategies_runs_or_says_what_it_needs(tmp_path, capsys):
-    one_gpu = torch.cuda.is_available() and torch.cuda.device_count() < 2
-    if missing_support() is None and not one_gpu:
-        doc, _ = _bench("strategies", tmp_path, capsys)
-        assert [r["strategy"] for r in doc["rows"]] == ["ddp", "zero1", "fsdp"]
-        assert all(len(r["mem_per_rank_gb"]) == doc["settings"]["ranks"] >= 2 for r in doc["rows"])
-        assert all(_finite_positive(r["tokens_per_s"], *r["mem_per_rank_gb"]) for r in doc["rows"])
+def test_strategies_break_memory_down_per_rank_as_each_strategy_divides_it(tmp_path, capsys):
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        assert main(["bench", "strategies", "--quick", "--out", str(tmp_path)]) == 2
+        assert "needs 2 or more GPUs" in capsys.readouterr().err
+        assert not (tmp_path / "strategies.json").exists() and not (tmp_path / "strategies-work").exists()
         return
-    assert main(["bench", "strategies", "--quick", "--out", str(tmp_path)]) == 2
-    needs = "needs parallel.strategy support (issue 10)" if missing_support() else "needs 2 or more GPUs"
-    assert needs in capsys.readouterr().err
-    assert not (tmp_path / "strategies.json").exists() and not (tmp_path / "strategies-work").exists()
+    doc, printed = _bench("strategies", tmp_path, capsys)
+    rows = {r["strategy"]: r for r in doc["rows"]}
+    assert list(rows) == ["ddp", "fsdp-zero3", "deepspeed-2", "pp2"] and "pp2" in printed
+    has_ds = importlib.util.find_spec("deepspeed") is not None
+    assert {name for name, r in rows.items() if r["status"] == "ok"} == {"ddp", "fsdp-zero3", "pp2"} | (
+        {"deepspeed-2"} if has_ds else set()), {name: r["status"] for name, r in rows.items()}
+    assert has_ds or rows["deepspeed-2"]["status"].startswith("skipped: parallel.strategy=deepspeed needs DeepSpeed")
+    ok = [r for r in rows.values() if r["status"] == "ok"]
+    assert all(len(r["mem_per_rank_gb"]) == len(r["breakdown"]) == doc["settings"]["ranks"] == 2 for r in ok)
+    assert all(_finite_positive(r["tokens_per_s"], *r["mem_per_rank_gb"]) for r in ok)
+    assert rows["ddp"]["tokens_vs_ddp"] == 1.0
+    ddp, fsdp, pp = (rows[name]["breakdown"] for name in ("ddp", "fsdp-zero3", "pp2"))
+    params = ddp[0]["params_bytes"]
+    assert ddp[0] == {**ddp[1], "rank": 0} and ddp[0]["grads_bytes"] == params
+    assert 0 < ddp[0]["optimizer_bytes"] - 2 * params < 4 * 100  # m, v, and a 4-byte step counter per tensor
+    for rank in fsdp:  # ZeRO-3: every dim is even here, so no padding: exactly half, the same activations
+        assert 2 * rank["params_bytes"] == 2 * rank["grads_bytes"] == params
+        assert rank["activations_bytes"] == ddp[0]["activations_bytes"] > 0
+    assert sum(r["params_bytes"] for r in pp) == params  # two stages split the (untied) model
+    assert all(0 < r["params_bytes"] < params and r["activations_bytes"] > 0 for r in pp)
+    if has_ds:  # ZeRO-2: whole parameters, half the gradients, an fp32 master half and its m and v
+        for rank in rows["deepspeed-2"]["breakdown"]:
+            assert rank["params_bytes"] == params and rank["grads_bytes"] == pytest.approx(params / 2, rel=0.01)
+            assert rank["optimizer_bytes"] == pytest.approx(1.5 * params, rel=0.01)
+
+
+def test_strategies_lists_what_hpctrain_refuses_instead_of_crashing(monkeypatch):
+    assert [c.name for c in cases(2, quick=False)] == ["ddp", "zero1", "fsdp-zero2", "fsdp-zero3", "deepspeed-1",
+                                                      "deepspeed-2", "deepspeed-3", "tp2", "pp2"]
+    assert ("parallel.tp=2", "parallel.strategy=fsdp") == next(c for c in cases(4, False) if c.name == "tp2").overrides
+    assert refusal(["model.name=gpt", "parallel.strategy=fsdp"], 2) is None
+    refused = refusal(["model.name=gpt", "parallel.tp=3"], 2)
+    assert refused is not None and refused.startswith("refused: parallel.dp") and "world size 2" in refused
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
+    skipped = refusal(["parallel.strategy=deepspeed"], 2)
+    assert skipped is not None and skipped.startswith("skipped: ") and "pip install" in skipped
 
 
 # ---------------------------------------------------------------- the bookkeeping, without runs

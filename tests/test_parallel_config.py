@@ -74,7 +74,7 @@ def test_deepspeed_missing_is_a_user_error_with_the_install_hint(monkeypatch):
     from hpctrain.parallel import deepspeed as ds
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # import_deepspeed sets these when unset: keep them test-local
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ds.EXTENSIONS_CACHE))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ds.extensions_cache()))
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # what `import deepspeed` sees when it is absent
     with pytest.raises(ds.DeepSpeedMissing, match=r"pip install .*hpctrain\[deepspeed\]") as err:
         ds.import_deepspeed()

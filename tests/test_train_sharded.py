@@ -23,8 +23,10 @@ from hpctrain.env import ClusterEnv
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.parallel.deepspeed import DeepSpeedMissing
 from hpctrain.rundir import params_sha256
-from hpctrain.train import check_strategy, train
+from hpctrain.strategy import check_strategy
+from hpctrain.train import train
 from tests import test_preempt as preempt
+from tests.gpt_runs import assert_close, check_ok, step_losses
 from tests.test_data_text import needs_sdist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,21 +60,6 @@ def _run(n: int, shards: Path, run: Path, *extra: str) -> subprocess.CompletedPr
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
 
 
-def _ok(proc: subprocess.CompletedProcess[str]) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
-
-
-def _losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows if "loss" in row}
-
-
-def _close(got: dict[int, float], want: dict[int, float]) -> None:
-    assert got.keys() == want.keys()
-    worst = max(abs(got[s] - want[s]) for s in want)
-    assert worst < TOL, (worst, got, want)
-
-
 @pytest.mark.parametrize("extra", [["parallel.strategy=fsdp", "checkpoint.enabled=false"],
                                    ["parallel.strategy=fsdp", "parallel.reshard_after_forward=false",
                                     "checkpoint.enabled=false"],
@@ -80,10 +67,10 @@ def _close(got: dict[int, float], want: dict[int, float]) -> None:
                          ids=["fsdp-zero3", "fsdp-zero2", "zero1"])
 def test_two_ranks_match_one_process(shards: Path, one_process: Path, tmp_path: Path, extra: list[str]) -> None:
     run = tmp_path / "run"
-    _ok(_run(2, shards, run, *extra))
-    want = _losses(one_process)
+    check_ok(_run(2, shards, run, *extra))
+    want = step_losses(one_process)
     assert len(want) == 10 and want[10] < want[1] - 1.0
-    _close(_losses(run), want)
+    assert_close(step_losses(run), want)
     one, two = (json.loads((r / "summary.json").read_text()) for r in (one_process, run))
     assert two["world_size"] == 2 and two["val_count"] == one["val_count"] == 41
     assert abs(two["val_loss"] - one["val_loss"]) < TOL
@@ -91,7 +78,7 @@ def test_two_ranks_match_one_process(shards: Path, one_process: Path, tmp_path: 
 
 def test_fsdp_checkpoint_resumes_at_world_1_and_4(shards: Path, tmp_path: Path) -> None:
     saved = tmp_path / "saved"
-    _ok(_run(2, shards, saved, "parallel.strategy=fsdp", "checkpoint.every_steps=5"))
+    check_ok(_run(2, shards, saved, "parallel.strategy=fsdp", "checkpoint.every_steps=5"))
     ckpt = saved / "checkpoints" / "step-000000005"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["format"] == "dcp" and manifest["world_size"] == 2  # forced for a sharded strategy
@@ -100,25 +87,27 @@ def test_fsdp_checkpoint_resumes_at_world_1_and_4(shards: Path, tmp_path: Path) 
     model.load_state_dict(torch.load(saved / "model.pt", weights_only=True))
     summary = json.loads((saved / "summary.json").read_text())
     assert params_sha256(model) == summary["params_sha256"]
-    want = {s: v for s, v in _losses(saved).items() if s > 5}
+    want = {s: v for s, v in step_losses(saved).items() if s > 5}
     resume = ["parallel.strategy=fsdp", f"resume={ckpt}", "checkpoint.enabled=true"]
     at1 = tmp_path / "at1"
     train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={at1}", *resume]))
     at4 = tmp_path / "at4"
-    _ok(_run(4, shards, at4, *resume))
+    check_ok(_run(4, shards, at4, *resume))
     for run in (at1, at4):
-        _close(_losses(run), want)  # the same batches (the data position kept) and the same weights
+        assert_close(step_losses(run), want)  # the same batches (the data position kept) and the same weights
 
 
 def test_fsdp_sigkill_then_restart_is_bit_identical(shards: Path, tmp_path: Path) -> None:
     """SIGKILL to both FSDP ranks and the launcher mid-run (a DCP save may be in flight), then
-    the same command: it resumes from the last committed checkpoint to the uninterrupted weights."""
+    the same command: it resumes from the last committed checkpoint to the uninterrupted weights.
+    Async saves: the writer stages each rank's DTensor shards (parameters while the next
+    forward runs) and must capture the step's state exactly."""
     longer = ["parallel.strategy=fsdp", "train.max_steps=24"]
     reference = tmp_path / "ref"
-    _ok(_run(2, shards, reference, *longer, "checkpoint.enabled=false"))
+    check_ok(_run(2, shards, reference, *longer, "checkpoint.enabled=false"))
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpctrain", "run", "-n", "2", "train", *BASE, f"data.path={shards}",
-           f"run.dir={run_dir}", *longer, "checkpoint.every_steps=3"]
+           f"run.dir={run_dir}", *longer, "checkpoint.every_steps=3", "checkpoint.mode=async"]
     kill_at = random.Random().randint(5, 18)
     proc = preempt._start(cmd)
     preempt._wait_for_step(run_dir, kill_at, proc)
@@ -128,8 +117,8 @@ def test_fsdp_sigkill_then_restart_is_bit_identical(shards: Path, tmp_path: Path
     assert not (run_dir / "summary.json").exists()
     saved = [step for step, _ in layout.committed(run_dir / "checkpoints")]
     assert saved and saved[-1] < 24, saved
-    again = _run(2, shards, run_dir, *longer, "checkpoint.every_steps=3")
-    _ok(again)
+    again = _run(2, shards, run_dir, *longer, "checkpoint.every_steps=3", "checkpoint.mode=async")
+    check_ok(again)
     assert f"resumed from {run_dir / 'checkpoints' / layout.step_name(saved[-1])}" in again.stderr + again.stdout
     summaries = [json.loads((r / "summary.json").read_text()) for r in (reference, run_dir)]
     assert summaries[1]["params_sha256"] == summaries[0]["params_sha256"], (kill_at, saved)
@@ -139,18 +128,18 @@ def test_zero1_checkpoint_resumes_at_world_2_and_1(shards: Path, tmp_path: Path)
     """ZeRO-1 at world 2 checkpoints the optimizer state consolidated on rank 0 (format=torch);
     a resume at world 2 (re-split) continues bit-identically, one at world 1 (whole) within 1e-6."""
     saved = tmp_path / "saved"
-    _ok(_run(2, shards, saved, "parallel.strategy=zero1", "checkpoint.every_steps=5"))
+    check_ok(_run(2, shards, saved, "parallel.strategy=zero1", "checkpoint.every_steps=5"))
     ckpt = saved / "checkpoints" / "step-000000005"
     assert json.loads((ckpt / "manifest.json").read_text())["format"] == "torch"
-    want = {s: v for s, v in _losses(saved).items() if s > 5}
+    want = {s: v for s, v in step_losses(saved).items() if s > 5}
     at2 = tmp_path / "at2"
-    _ok(_run(2, shards, at2, "parallel.strategy=zero1", f"resume={ckpt}"))
-    assert _losses(at2) == want
+    check_ok(_run(2, shards, at2, "parallel.strategy=zero1", f"resume={ckpt}"))
+    assert step_losses(at2) == want
     summaries = [json.loads((r / "summary.json").read_text()) for r in (saved, at2)]
     assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
     at1 = tmp_path / "at1"
     train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={at1}", f"resume={ckpt}"]))
-    got = _losses(at1)
+    got = step_losses(at1)
     assert got.keys() == want.keys() and max(abs(got[s] - want[s]) for s in want) < 1e-6
 
 
@@ -161,12 +150,12 @@ def test_deepspeed_matches_one_process(shards: Path, one_process: Path, tmp_path
     and model.pt (ZeRO-3: gathered by DeepSpeed) is the whole model."""
     pytest.importorskip("deepspeed")
     run = tmp_path / "ds"
-    _ok(_run(2, shards, run, "parallel.strategy=deepspeed", f"parallel.deepspeed_stage={stage}",
+    check_ok(_run(2, shards, run, "parallel.strategy=deepspeed", f"parallel.deepspeed_stage={stage}",
              "checkpoint.enabled=false"))
     model = GPT(GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4))
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
     assert params_sha256(model) == json.loads((run / "summary.json").read_text())["params_sha256"]
-    _close(_losses(run), _losses(one_process))
+    assert_close(step_losses(run), step_losses(one_process))
     one, two = (json.loads((r / "summary.json").read_text()) for r in (one_process, run))
     assert two["world_size"] == 2 and two["val_count"] == one["val_count"] == 41
     assert abs(two["val_loss"] - one["val_loss"]) < TOL
@@ -181,12 +170,12 @@ def test_pipeline_two_stages_match_one_process(shards: Path, tmp_path: Path) -> 
     one = tmp_path / "one"
     train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={one}", *untied]))
     run = tmp_path / "pp"
-    _ok(_run(2, shards, run, *untied, "parallel.pp=2", "parallel.microbatches=2"))
-    want = _losses(one)
+    check_ok(_run(2, shards, run, *untied, "parallel.pp=2", "parallel.microbatches=2"))
+    want = step_losses(one)
     assert len(want) == 10 and want[10] < want[1] - 1.0
-    _close(_losses(run), want)
+    assert_close(step_losses(run), want)
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["val_loss"] is None  # no validation under pp yet
+    assert summary["world_size"] == 2 and summary["val_count"] == 41  # validated through the stages
     assert summary["samples_seen"] == json.loads((one / "summary.json").read_text())["samples_seen"] == 160
     model = GPT(GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4, tie_weights=False))
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
@@ -204,21 +193,14 @@ def test_strategies_not_in_the_loop_fail_before_start(shards: Path, tmp_path: Pa
     """Checked by train() before the process group on every rank (ranks exit 2 alike; which
     exit code `hpctrain run` shows when ranks stop at different times is the launcher's)."""
     two = ClusterEnv(world_size=2, local_world_size=2)
-    pipeline = load_config(None, [*BASE, "parallel.pp=2"])  # checkpoints are on by default
-    with pytest.raises(ConfigError, match="parallel.pp=2 cannot checkpoint yet"):
-        check_strategy(pipeline, two)
     tied = load_config(None, [*BASE, "parallel.pp=2", "checkpoint.enabled=false"])
     with pytest.raises(ConfigError, match="hint: model.tie_weights=false"):
         check_strategy(tied, two)
-    with pytest.raises(ConfigError, match=r"pp = world size \(4\) with dp=1 and tp=1"):
-        check_strategy(pipeline, ClusterEnv(world_size=4, local_world_size=4))
-    evaluating = load_config(None, [*BASE, "parallel.pp=2", "checkpoint.enabled=false", "model.tie_weights=false",
-                                    "train.eval_every_steps=5"])
-    with pytest.raises(ConfigError, match="does not validate yet"):
-        check_strategy(evaluating, two)
+    untied = load_config(None, [*BASE, "parallel.pp=2", "model.tie_weights=false"])
+    with pytest.raises(ConfigError, match=r"strategy=ddp with dp=2 x tp=1 x pp=2 is not supported"):
+        check_strategy(untied, ClusterEnv(world_size=4, local_world_size=4))
     deepspeed = load_config(None, [*BASE, "parallel.strategy=deepspeed"])
-    with pytest.raises(ConfigError, match="parallel.strategy=deepspeed cannot checkpoint yet"):
-        check_strategy(deepspeed, two)
+    check_strategy(deepspeed, two)  # checkpoints and lr schedules run under DeepSpeed now (test_train_deepspeed.py)
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: a UserError with the install hint
     with pytest.raises(DeepSpeedMissing, match=r"hint: pip install .*hpctrain\[deepspeed\]"):
         check_strategy(deepspeed, two)

@@ -26,6 +26,7 @@ from hpctrain.checkpoint import layout, tensorfile
 from hpctrain.checkpoint.policy import Schedule
 from hpctrain.checkpoint.preempt import Agreement, SignalFlag
 from hpctrain.checkpoint.state import (
+    DEEPSPEED_DIR,
     REPLICATED,
     REPLICATED_TENSORS,
     SHARDED_DIR,
@@ -34,9 +35,9 @@ from hpctrain.checkpoint.state import (
     restore_sharded,
     snapshot,
 )
-from hpctrain.checkpoint.writer import CheckpointWriter, default_group
+from hpctrain.checkpoint.writer import CheckpointWriter, default_group, storage_ptr
 from hpctrain.env import ClusterEnv
-from hpctrain.errors import agree
+from hpctrain.errors import UserError, agree
 from hpctrain.section import to_dict
 
 if TYPE_CHECKING:  # the composed config imports this package: no runtime import back
@@ -46,6 +47,10 @@ log = logging.getLogger("hpctrain")
 T = TypeVar("T")
 
 
+class StrategyMismatchError(UserError):
+    """A DeepSpeed checkpoint resumed without DeepSpeed, or another checkpoint resumed under it."""
+
+
 class Checkpointer:
     def __init__(self, cfg: Config, env: ClusterEnv, device: torch.device, run_dir: Path, parts: Any,
                  signals: SignalFlag | None = None) -> None:
@@ -53,6 +58,11 @@ class Checkpointer:
         self.cfg, self.env, self.device, self.run_dir, self.parts = cfg, env, device, Path(run_dir), parts
         self.root = layout.checkpoints_dir(self.run_dir)
         self.cfg_dict = to_dict(cfg)
+        self.engine = getattr(parts.step, "engine", None)  # strategy=deepspeed: DeepSpeed saves model + optimizer
+        self.format = "deepspeed" if self.engine is not None else c.format
+        if self.engine is not None and c.mode == "async" and env.is_main:
+            log.info("parallel.strategy=deepspeed: checkpoints are saved synchronously (DeepSpeed's save runs "
+                     "collectives on the training process group), not checkpoint.mode=async")
         # Two gloo groups, created in the same order on every rank: one for the writer
         # thread's commit exchange, one for the loop's per-step agreement.
         self.group = default_group(env)
@@ -130,26 +140,54 @@ class Checkpointer:
         try:
             manifest = layout.read_manifest(path)
             files = manifest["files"]
+            fmt = self._check_format(path, manifest)
             same_world = manifest.get("world_size") == self.env.world_size
-            replicated = load_replicated(path, live_tensors(self.parts), files)
+            whole_into_live = fmt == "torch" and not _holds_shards(self.parts.model)  # bytes straight into the params
+            replicated = load_replicated(path, live_tensors(self.parts) if whole_into_live else None, files)
             per_rank = load_file(path / rank_file(self.env.rank if same_world else 0), files)
-            if manifest.get("format") == "dcp":
+            if fmt != "torch":
                 self._verify_sharded(path, files)
         except (layout.CheckpointError, tensorfile.TensorFileError) as err:
             return [str(err)], None
         return [], (replicated, per_rank)
 
+    def _check_format(self, path: Path, manifest: dict[str, Any]) -> str:
+        """The checkpoint's format (its manifest's, not the config's: a DCP checkpoint loads into a
+        DDP or one-process model, a torch one into FSDP); a DeepSpeed checkpoint needs DeepSpeed at
+        the world size that wrote it, and DeepSpeed needs its own checkpoints. Bad input: raised
+        (every rank alike, before training), not skipped as corrupt."""
+        fmt = str(manifest.get("format", "torch"))
+        if (fmt == "deepspeed") != (self.engine is not None):
+            wrote = "parallel.strategy=deepspeed" if fmt == "deepspeed" else "a strategy other than deepspeed"
+            raise StrategyMismatchError(
+                f"checkpoint {path} has format={fmt} and cannot resume under parallel.strategy="
+                f"{self.cfg.parallel.strategy}; hint: resume with the strategy that wrote it ({wrote}), or export "
+                f"its weights (`hpctrain ckpt export {path} model.pt`) and start a new run from them")
+        if fmt == "deepspeed":
+            from hpctrain.parallel.deepspeed import check_world
+
+            check_world(int(manifest.get("world_size", 0)), self.env.world_size, path)
+        return fmt
+
     def _verify_sharded(self, path: Path, files: dict[str, Any]) -> None:
-        """format=dcp: DCP reads the shards itself, so they are hashed before it does (two
-        passes); each rank takes a share of the files."""
-        names = sorted(n for n in files if n.startswith(f"{SHARDED_DIR}/"))
+        """format=dcp / deepspeed: DCP (DeepSpeed) reads its files itself, so they are hashed
+        before it does (two passes); each rank takes a share of the files."""
+        names = sorted(n for n in files if n.startswith((f"{SHARDED_DIR}/", f"{DEEPSPEED_DIR}/")))
         for name in names[self.env.rank :: self.env.world_size]:
             _check_entry(path / name, files[name], layout.hash_file)
 
     def _restore(self, path: Path, loaded: tuple[dict[str, Any], dict[str, Any]]) -> None:
         replicated, per_rank = loaded
-        if layout.read_manifest(path).get("format") == "dcp":
+        fmt = layout.read_manifest(path).get("format")
+        if fmt == "dcp":
             restore_sharded(self.parts, path / SHARDED_DIR, self.group)  # DCP exchanges its own errors
+        elif fmt == "deepspeed":
+            from hpctrain.parallel.deepspeed import load_engine
+
+            agree(f"loading DeepSpeed's state of {path}", lambda: load_engine(self.engine, path / DEEPSPEED_DIR))
+        elif "model" in replicated and _holds_shards(self.parts.model):  # e.g. a DDP checkpoint resumed under FSDP
+            replicated = agree(f"loading the whole state of {path} into this rank's shards",
+                               lambda: _whole_into_shards(self.parts, replicated, path))
         self.best = agree(f"restoring checkpoint {path}", lambda: restore(
             self.parts, replicated, per_rank, self.env, self.device, self.cfg_dict, source=path))
         self.resumed_from = path
@@ -170,7 +208,9 @@ class Checkpointer:
         """At a step boundary: save if a schedule or a signal says so. True = stop now
         (preempted; the checkpoint is committed)."""
         step = self.parts.counters.step
-        signal_seen, timer_due = self.agree(step, self.signals.requested, self.schedule.time_due())
+        signal_seen, timer_due = self.signals.received is not None, self.schedule.time_due()
+        if self.agree.distributed:  # every rank decides alike (one small all-reduce, every few steps)
+            signal_seen, timer_due = self.agree(step, signal_seen, timer_due)
         if signal_seen:
             self.save(best, blocking=True)
             self.preempted = True
@@ -186,7 +226,7 @@ class Checkpointer:
                 self._settle()
             return
         self._settle()  # the save in flight commits (or raises) before the next starts; best.json follows it
-        snap = snapshot(self.parts, self.env, self.device, self.cfg_dict, best, self.cfg.checkpoint.format)
+        snap = snapshot(self.parts, self.env, self.device, self.cfg_dict, best, self.format)
         if best.get("step") == step:
             snap.info["best"] = dict(best)
         if best.get("step") == step:
@@ -283,6 +323,38 @@ class Checkpointer:
         return self.env.distributed and dist.is_initialized()
 
 
+def _holds_shards(model: Any) -> bool:
+    """Are this rank's parameters shards (FSDP, tensor parallel: DTensors)?"""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(param, DTensor) for param in model.parameters())
+
+
+def _whole_into_shards(parts: Any, replicated: dict[str, Any], source: Path) -> dict[str, Any]:
+    """A whole (format=torch) model and optimizer state, loaded into a sharded model: every rank
+    keeps its own shard of each tensor (torch.distributed.checkpoint.state_dict, full_state_dict).
+    The optimizer's parameter indices become parameter names, in the order the optimizer was
+    built over (``model.parameters()``). Returns ``replicated`` without model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from hpctrain.checkpoint.state import CheckpointMismatchError
+    from hpctrain.parallel import unwrap
+
+    names = [name for name, param in unwrap(parts.model).named_parameters() if param.requires_grad]
+    saved = replicated["optimizer"]
+    try:
+        optim: dict[str, Any] = {"state": {names[int(i)]: value for i, value in saved["state"].items()},
+                 "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
+                                  for group in saved["param_groups"]]}
+        set_state_dict(parts.model, parts.optimizer, model_state_dict=replicated["model"], optim_state_dict=optim,
+                       options=StateDictOptions(full_state_dict=True))
+    except (RuntimeError, ValueError, KeyError, IndexError) as err:  # another model's checkpoint: bad input
+        raise CheckpointMismatchError(
+            f"checkpoint {source} does not fit this model ({' '.join(str(err).split())[:300]}); hint: "
+            "resume with the model.name and model.num_classes that wrote it, or resume=never") from err
+    return {k: v for k, v in replicated.items() if k not in ("model", "optimizer")}
+
+
 def load_replicated(path: Path, into: dict[str, torch.Tensor] | None = None,
                     files: dict[str, Any] | None = None) -> dict[str, Any]:
     """The replicated state tree of a checkpoint; tensors whose live counterpart is given
@@ -356,9 +428,9 @@ def _check_entry(path: Path, expect: dict[str, Any], hasher: Callable[[Path], di
 def _updated_by_step(parts: Any) -> set[int]:
     """Storages that only ``optimizer.step()`` changes: parameters and optimizer state.
     (Buffers such as BatchNorm statistics change in forward: they are copied at once.)"""
-    ptrs = {p.data_ptr() for p in parts.model.parameters()}
+    ptrs = {storage_ptr(p) for p in parts.model.parameters()}
     for state in parts.optimizer.state.values():
-        ptrs |= {v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
+        ptrs |= {storage_ptr(v) for v in state.values() if isinstance(v, torch.Tensor)}
     return ptrs
 
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from hpctrain.checkpoint import layout, tensorfile
-from hpctrain.checkpoint.state import SHARDED_DIR
+from hpctrain.checkpoint import layout
+from hpctrain.checkpoint.export import SUFFIXES, ExportError, Source, dcp_source, dict_source, write_stream
+from hpctrain.checkpoint.state import DEEPSPEED_DIR, SHARDED_DIR
 
 
 def add_parser(subparsers: Any) -> None:
@@ -80,7 +78,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    if out.suffix not in (".pt", ".safetensors"):
+    if out.suffix not in SUFFIXES:
         print(f"hpctrain ckpt export: {out} must end in .pt or .safetensors", file=sys.stderr)
         return 2
     try:
@@ -88,41 +86,27 @@ def cmd_export(args: argparse.Namespace) -> int:
         problems = layout.verify(path)
         if problems:
             raise layout.CheckpointError(f"{path} is corrupt: {'; '.join(problems)}")
-        weights = consolidated_model(path)
-    except layout.CheckpointError as err:
+        written = write_stream(out, checkpoint_source(path))
+    except (layout.CheckpointError, ExportError) as err:
         print(f"hpctrain ckpt export: error: {err}", file=sys.stderr)
-        return err.exit_code  # 2: no checkpoint there; 1: a corrupt one
-    write_weights(weights, out)
-    print(f"wrote {out} ({len(weights)} tensors, step {layout.read_manifest(path).get('step')}) from {path}")
+        return err.exit_code  # 2: no checkpoint there; 1: a corrupt one, or the output cannot be written
+    assert written is not None  # write=True
+    print(f"wrote {out} ({written.tensors} tensors, {written.nbytes / 1e6:.1f} MB, step "
+          f"{layout.read_manifest(path).get('step')}) from {path}")
     return 0
 
 
-def consolidated_model(path: Path) -> dict[str, torch.Tensor]:
-    """The full model state dict of a checkpoint, sharded (DCP) or not, without a process group."""
-    manifest = layout.read_manifest(path)
-    if manifest.get("format") != "dcp":
-        from hpctrain.checkpoint.checkpointer import load_replicated
+def checkpoint_source(path: Path) -> Source:
+    """A committed checkpoint's model tensors, without a process group: a DCP checkpoint's are
+    read one at a time (never the optimizer state); a DeepSpeed one's ZeRO partitions are merged
+    by DeepSpeed's zero_to_fp32; a torch-format one's rank-0 file is loaded."""
+    fmt = layout.read_manifest(path).get("format")
+    if fmt == "dcp":
+        return dcp_source(path / SHARDED_DIR)
+    if fmt == "deepspeed":
+        from hpctrain.parallel.deepspeed import consolidated_state
 
-        return dict(load_replicated(path)["model"])
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        return dict_source(consolidated_state(path / DEEPSPEED_DIR))
+    from hpctrain.checkpoint.checkpointer import load_replicated
 
-    with tempfile.TemporaryDirectory() as tmp:
-        full = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(path / SHARDED_DIR), str(full))
-        return dict(torch.load(full, map_location="cpu", weights_only=True)["model"])
-
-
-def write_weights(weights: dict[str, torch.Tensor], out: Path) -> None:
-    """``.safetensors`` (written by tensorfile: no extra package needed) or ``.pt``, atomically."""
-    import os
-
-    from hpctrain.rundir import replace_durably
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().clone() for k, v in weights.items()}  # no shared storage
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if out.suffix == ".safetensors":
-        tensorfile.write(tmp, tensors)
-    else:
-        layout.save_file(tensors, tmp)
-    replace_durably(tmp, out)
+    return dict_source(dict(load_replicated(path)["model"]))

@@ -32,6 +32,7 @@ class CheckpointMismatchError(UserError):
 REPLICATED = "replicated.pt"                   # the state tree, tensors replaced by names
 REPLICATED_TENSORS = "replicated.safetensors"  # their bytes (see tensorfile.py)
 SHARDED_DIR = "sharded"
+DEEPSPEED_DIR = "deepspeed"  # format=deepspeed: DeepSpeed's own checkpoint files (engine.save_checkpoint)
 
 
 def rank_file(rank: int) -> str:
@@ -47,6 +48,7 @@ class Snapshot:
     per_rank: dict[str, Any]
     sharded: dict[str, Any] | None      # format=dcp: model + optimizer, on every rank
     info: dict[str, Any]                 # goes into the manifest
+    engine: Any = None                   # format=deepspeed: the engine, whose own save writes model + optimizer
 
 
 # ---------------------------------------------------------------- config fingerprint
@@ -106,14 +108,15 @@ def _as_tuples(value: Any) -> Any:
 def snapshot(parts: Any, env: ClusterEnv, device: torch.device, cfg_dict: dict[str, Any],
              best: dict[str, Any], fmt: str) -> Snapshot:
     """References to the live state (no copies): a sync save serializes them right away,
-    an async save stages them first (see writer.Stager)."""
+    an async save stages them first (see writer.Stager). ``fmt``: torch (rank 0 writes model and
+    optimizer whole), dcp (every rank its shards), deepspeed (DeepSpeed's save, every rank)."""
     from hpctrain.parallel import unwrap
 
     counters = parts.counters.state_dict()
     per_rank = {"rank": env.rank, "world_size": env.world_size, "rng": rng_state(device),
                 "loader": parts.train_loader.state_dict(), "counters": counters}
     sharded = _sharded_state(parts) if fmt == "dcp" else None
-    if sharded is None and env.distributed:
+    if fmt == "torch" and env.distributed:
         _consolidate_zero1(parts.optimizer)
     replicated = None
     if env.is_main:
@@ -122,11 +125,12 @@ def snapshot(parts: Any, env: ClusterEnv, device: torch.device, cfg_dict: dict[s
             "scaler": parts.precision.state_dict(), "counters": counters, "best": dict(best),
             "config": cfg_dict, "config_sha256": config_fingerprint(cfg_dict),
         }
-        if sharded is None:
+        if fmt == "torch":
             replicated["model"] = unwrap(parts.model).state_dict()
             replicated["optimizer"] = parts.optimizer.state_dict()
     info = {**counters, "world_size": env.world_size, "format": fmt, "config_sha256": config_fingerprint(cfg_dict)}
-    return Snapshot(counters["step"], replicated, per_rank, sharded, info)
+    engine = getattr(parts.step, "engine", None) if fmt == "deepspeed" else None
+    return Snapshot(counters["step"], replicated, per_rank, sharded, info, engine)
 
 
 def _consolidate_zero1(optimizer: Any) -> None:
@@ -140,9 +144,17 @@ def _consolidate_zero1(optimizer: Any) -> None:
 
 
 def _sharded_state(parts: Any) -> dict[str, Any]:
+    """format=dcp: model and optimizer under the whole model's parameter names (a pipeline
+    stage's blocks renumbered), the optimizer flattened to one entry per name, so that any
+    split of the model (fsdp at any world size, any pp x dp, one process) reads its own names."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+    from hpctrain.parallel.pipeline import PipelineStep
+    from hpctrain.parallel.pipeline_state import FLAT, pipeline_state
+
+    if isinstance(getattr(parts, "step", None), PipelineStep):
+        return pipeline_state(parts.step, parts.optimizer)
+    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer, options=FLAT)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -176,16 +188,37 @@ def restore(parts: Any, replicated: dict[str, Any], per_rank: dict[str, Any], en
         set_rng_state(per_rank["rng"], device)
     elif env.is_main:
         log.warning("resuming at world size %d from a checkpoint of world size %d: model and optimizer are "
-                    "exact, RNG streams restart from seed + rank", env.world_size, per_rank["world_size"])
+                    "exact, RNG streams restart from seed + data-parallel rank", env.world_size, per_rank["world_size"])
     return dict(replicated.get("best") or {})
 
 
 def restore_sharded(parts: Any, path: Any, group: Any) -> None:
-    """format=dcp: every rank reads its shard (the world size may differ from the save)."""
+    """format=dcp: every rank reads its shard (the world size, and the pipeline split, may differ
+    from the save's). Checkpoints written before the optimizer was saved flattened load too."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+    from hpctrain.parallel.pipeline import PipelineStep
+    from hpctrain.parallel.pipeline_state import load_pipeline_state
+
+    flat = _optimizer_flattened(path)
+    if isinstance(getattr(parts, "step", None), PipelineStep):
+        if not flat:
+            raise CheckpointMismatchError(f"checkpoint {path} holds the optimizer in the older nested layout, which "
+                                          "pipeline stages cannot split; hint: resume it without parallel.pp")
+        load_pipeline_state(parts.step, parts.optimizer, str(path), group)
+        return
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer, options=options)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(path), process_group=group)
-    set_state_dict(parts.model, parts.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(parts.model, parts.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=options)
+
+
+def _optimizer_flattened(path: Any) -> bool:
+    """Did the save flatten the optimizer (``optimizer.param_groups.<name>.<key>`` entries)?"""
+    import torch.distributed.checkpoint as dcp
+
+    names = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(name.startswith("optimizer.param_groups.") for name in names)

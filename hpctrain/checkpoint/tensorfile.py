@@ -22,6 +22,7 @@ import os
 import queue
 import struct
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -138,18 +139,35 @@ def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _header(tensors: dict[str, torch.Tensor]) -> tuple[bytes, int]:
+    for name, t in tensors.items():
+        check_dtype(name, t.dtype)
+    return header((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+
+
+def check_dtype(name: str, dtype: torch.dtype) -> None:
+    if dtype not in _DTYPES:
+        raise TensorFileError(f"tensor {name!r} has dtype {dtype}, which the checkpoint format does not store")
+
+
+def header(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, int]:
+    """The file's header for tensors (name, dtype, shape) laid out in this order, and the
+    size of their data: known before any tensor exists, so a writer can stream them."""
     entries: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "hpctrain"}}
     offset = 0
-    for name, t in tensors.items():
-        if t.dtype not in _DTYPES:
-            raise TensorFileError(f"tensor {name!r} has dtype {t.dtype}, which the checkpoint format does not store")
-        size = t.numel() * t.element_size()
-        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+    for name, dtype, shape in specs:
+        check_dtype(name, dtype)
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        entries[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(entries, separators=(",", ":")).encode()
     pad = (-(8 + len(text))) % ALIGN  # data starts on a 4 KiB boundary (O_DIRECT)
     text += b" " * pad
     return struct.pack("<Q", len(text)) + text, offset
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes in row-major order (a contiguous copy only when it is not)."""
+    return _bytes(t)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -29,9 +30,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hpctrain.checkpoint import layout, tensorfile
-from hpctrain.checkpoint.state import REPLICATED, REPLICATED_TENSORS, SHARDED_DIR, Snapshot, rank_file
+from hpctrain.checkpoint.state import (
+    DEEPSPEED_DIR,
+    REPLICATED,
+    REPLICATED_TENSORS,
+    SHARDED_DIR,
+    Snapshot,
+    rank_file,
+)
 from hpctrain.env import ClusterEnv
 
 log = logging.getLogger("hpctrain")
@@ -59,7 +68,7 @@ class Stager:
     def _walk(self, obj: Any, path: tuple[Any, ...], memo: dict[int, Any], defer: set[int]) -> Any:
         if isinstance(obj, torch.Tensor):
             if id(obj) not in memo:  # a tensor saved twice (tied weights) stays one storage
-                memo[id(obj)] = obj if obj.data_ptr() in defer else self._copy(obj, path)
+                memo[id(obj)] = obj if storage_ptr(obj) in defer else self._copy(obj, path)
             return memo[id(obj)]
         if isinstance(obj, dict):
             out = copy.copy(obj)  # keeps the type and attributes (state_dict's _metadata)
@@ -74,6 +83,10 @@ class Stager:
         return copy.deepcopy(obj)
 
     def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        if isinstance(tensor, DTensor):  # a shard (FSDP, TP): stage this rank's part, keep its place
+            local = self._copy(tensor.to_local().detach(), path)
+            return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                      shape=tensor.shape, stride=tensor.stride())
         src = tensor.detach()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
@@ -82,6 +95,12 @@ class Stager:
         if buf.data_ptr() != src.data_ptr():  # the second pass meets first-pass copies again
             buf.copy_(src)
         return buf
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """Where the tensor's bytes live on this rank: a DTensor's local shard (its own
+    ``data_ptr()`` is 0 for every DTensor)."""
+    return (tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor).data_ptr()
 
 
 def to_cpu(tree: Any) -> Any:
@@ -144,7 +163,8 @@ class CheckpointWriter:
         async mode copies them in the writer thread instead of in the loop."""
         start = time.perf_counter()
         self.wait()
-        in_background = self.mode == "async" and not blocking
+        # DeepSpeed's save runs collectives on the training process group: in this thread only
+        in_background = self.mode == "async" and not blocking and snap.engine is None
         if in_background:
             snap = _stage(snap, self._stager, defer)
             if defer:
@@ -243,6 +263,7 @@ class CheckpointWriter:
         try:
             partial.mkdir(parents=True, exist_ok=True)
             for name, entry in written.files.items():
+                (partial / name).parent.mkdir(parents=True, exist_ok=True)  # sharded/, deepspeed/state/
                 copied = _copy_file(written.where / name, partial / name)
                 if copied[tensorfile.DIGEST] != entry[tensorfile.DIGEST]:
                     raise layout.CheckpointError(f"{partial / name}: copy differs from {written.where / name}")
@@ -260,6 +281,8 @@ def write_files(snap: Snapshot, target: Path, env: ClusterEnv, group: Any) -> di
     files = {}
     if snap.sharded is not None:
         files.update(_write_sharded(snap.sharded, target / SHARDED_DIR, env, group))
+    if snap.engine is not None:
+        files.update(_write_engine(snap.engine, target, env))
     if snap.replicated is not None:
         skeleton, tensors = tensorfile.split(snap.replicated)
         files[REPLICATED_TENSORS] = tensorfile.write(target / REPLICATED_TENSORS, tensors)
@@ -278,6 +301,29 @@ def _write_sharded(state: dict[str, Any], directory: Path, env: ClusterEnv, grou
     if env.is_main:
         mine += [p for p in directory.iterdir() if p.name == ".metadata"]
     return {f"{SHARDED_DIR}/{p.name}": layout.hash_file(p) for p in sorted(mine)}
+
+
+def _write_engine(engine: Any, target: Path, env: ClusterEnv) -> dict[str, dict[str, Any]]:
+    """format=deepspeed: DeepSpeed's own save (every rank: its ZeRO partitions; rank 0 also the
+    module and the scheduler) into ``target/deepspeed``; each rank lists, fsyncs and hashes the
+    files it wrote (DeepSpeed's torch.save does not fsync)."""
+    from hpctrain.parallel.deepspeed import engine_files, save_engine
+
+    directory = target / DEEPSPEED_DIR
+    save_engine(engine, directory)  # ends in DeepSpeed's barrier: every rank's files are complete
+    files = {}
+    for path in engine_files(directory, env.rank):
+        _fsync(path)
+        files[path.relative_to(target).as_posix()] = layout.hash_file(path)
+    return files
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _stage(snap: Snapshot, stager: Stager | None, defer: set[int] | None = None) -> Snapshot:

@@ -76,11 +76,11 @@ class MemoryLoader:
         # Without workers a DataLoader adds only per-batch Python overhead to what is one
         # tensor gather: slice the epoch's index order directly (same order, same batches).
         order = torch.as_tensor(list(self.sampler), dtype=torch.long)
-        for start in range(self.batches_done * self.batch_size, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
-            if len(idx) < self.batch_size and self.drop_last:
-                return
-            yield self.dataset.__getitems__(idx)
+        total = len(order)
+        for start in range(self.batches_done * self.batch_size, total, self.batch_size):
+            if self.drop_last and start + self.batch_size > total:
+                return  # a short last batch (plain arithmetic: Tensor.__len__ is a Python call)
+            yield self.dataset.__getitems__(order[start : start + self.batch_size])
 
     def _through_workers(self) -> Iterator[Batch]:
         start = self.batches_done * self.batch_size

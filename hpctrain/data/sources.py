@@ -75,7 +75,7 @@ class ArrayDataset(Dataset):
         return self.inputs[index], self.targets[index]
 
     def __getitems__(self, indices: list[int] | torch.Tensor) -> Batch:
-        idx = torch.as_tensor(indices, dtype=torch.long)
+        idx = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=torch.long)
         return Batch(self.inputs[idx], self.targets[idx], idx)
 
     def subset(self, limit: int | None) -> ArrayDataset:

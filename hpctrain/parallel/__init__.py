@@ -84,13 +84,15 @@ def _device_type(model: nn.Module) -> str:
 
 
 def build_parallel(factory: Callable[[], nn.Module], env: ClusterEnv, cfg: ParallelConfig, *,
-                   device: torch.device, seed: int, compile: bool = False, precision: str = "fp32") -> nn.Module:
+                   device: torch.device, seed: int, compile: bool = False, precision: str = "fp32",
+                   mesh: DeviceMesh | None = None) -> nn.Module:
     """``factory()``'s model parallelized, with the weights of ``torch.manual_seed(seed); factory()``
-    in one process; with ``parallel.meta_init`` no rank ever holds the full model on ``device``."""
+    in one process; with ``parallel.meta_init`` no rank ever holds the full model on ``device``.
+    ``mesh``: one from :func:`mesh_for` the caller keeps (e.g. for evaluation's dp group), else built here."""
     if not (cfg.meta_init and env.distributed):
         torch.manual_seed(seed)
-        return parallelize(factory().to(device), env, cfg, compile=compile, precision=precision)
-    model = parallelize(on_meta(factory), env, cfg, compile=compile, precision=precision)
+        return parallelize(factory().to(device), env, cfg, compile=compile, precision=precision, mesh=mesh)
+    model = parallelize(on_meta(factory), env, cfg, compile=compile, precision=precision, mesh=mesh)
     # Offloaded shards live in host memory; FSDP moves each to the device when it is gathered.
     materialize(model, device=torch.device("cpu") if cfg.cpu_offload else device, factory=factory, seed=seed)
     return model
@@ -120,7 +122,9 @@ def build_pipeline_step(model: nn.Module, env: ClusterEnv, cfg: ParallelConfig, 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DDP / torch.compile wrappers (for saving and evaluation)."""
     while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):  # no `or`: bool() of a compiled module calls its len()
+            inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):
             return model
         model = inner

@@ -25,7 +25,7 @@ SHARDED = ("fsdp", "hsdp")
 class ParallelConfig:
     strategy: Strategy = opt("ddp", "Data-parallel strategy: ddp | zero1 (optimizer state sharded, over DDP) | fsdp (FSDP2; ZeRO-3, or ZeRO-2 with reshard_after_forward=false) | hsdp (replicate across nodes, shard within) | deepspeed (ZeRO stage from deepspeed_stage; needs the deepspeed extra).")
     dp: int = opt(0, "Data-parallel degree; 0 = world size / (tp x pp). dp x tp x pp must equal the world size.")
-    tp: int = opt(1, "Tensor-parallel degree (DTensor column/row plans for attention and MLP; keep it within a node). tp > 1 with dp > 1 needs strategy fsdp or hsdp.")
+    tp: int = opt(1, "Tensor-parallel degree (DTensor column/row plans for attention and MLP; keep it within a node). Needs a model whose `blocks` hold Linears q, k, v, o, up, down (the gpt), with heads divisible by tp; the tp ranks of one replica read the same batches. tp > 1 with dp > 1 needs strategy fsdp or hsdp.")
     pp: int = opt(1, "Pipeline-parallel degree (torch.distributed.pipelining stages, blocks split evenly). pp > 1 with dp > 1 needs strategy fsdp or hsdp.")
     dp_replicate: int = opt(0, "hsdp: replicas (outer mesh dim); 0 = the number of nodes. Shards per replica = dp / dp_replicate.")
     sequence_parallel: bool = opt(False, "With tp > 1: also shard layer norms and the residual stream along the sequence (Megatron sequence parallelism).")

@@ -5,15 +5,23 @@ gathering, so the loop calls :class:`DeepSpeedStep` (``step(inputs, targets) -> 
 forward, ``engine.backward`` (which divides by the accumulation steps itself) and
 ``engine.step`` (which steps the optimizer only at an accumulation boundary).
 
+An lr schedule is handed to DeepSpeed (``deepspeed.initialize(lr_scheduler=...)``), which
+steps it with the optimizer, at the end of each accumulation window. Checkpoints are
+DeepSpeed's own (:func:`save_engine` / :func:`load_engine`: per-rank model and
+ZeRO-partitioned optimizer files, and the scheduler), written inside hpctrain's committed
+checkpoint directory; :func:`consolidated_state` turns them into one state dict.
+
 On a machine without CUDA it runs on CPU with gloo (``DS_ACCELERATOR=cpu``). Its first use
-JIT-builds C++ ops with ninja; ``TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/hpctrain/torch_extensions``) keeps them for the next run.
+JIT-builds C++ ops with ninja; ``TORCH_EXTENSIONS_DIR`` (default: ``torch_extensions`` in
+hpctrain's cache, :func:`hpctrain.cache.cache_root`) keeps them for the next run.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -22,23 +30,37 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpctrain.cache import cache_root
 from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
+from hpctrain.errors import RunError, UserError
 
 INSTALL_HINT = ("pip install -c <(echo torch==$(python -c 'import torch; print(torch.__version__)')) "
                 "'hpctrain[deepspeed]'  (the constraint keeps pip from replacing your torch)")
-EXTENSIONS_CACHE = Path("~/.cache/hpctrain/torch_extensions").expanduser()
+TAG = "state"  # DeepSpeed's checkpoint tag: one per hpctrain checkpoint directory, which names the step
 
 
 class DeepSpeedMissing(UserError):
     """strategy=deepspeed without DeepSpeed installed."""
 
 
+class DeepSpeedWorldChange(UserError):
+    """A DeepSpeed checkpoint resumed at another world size: its ZeRO partitions do not fit."""
+
+
+class DeepSpeedCheckpointError(RunError):
+    """DeepSpeed could not load a checkpoint that hpctrain's manifest says is intact."""
+
+
+def extensions_cache() -> Path:
+    """Where DeepSpeed's JIT-built ops are kept (``TORCH_EXTENSIONS_DIR`` unless set)."""
+    return cache_root() / "torch_extensions"
+
+
 def import_deepspeed() -> ModuleType:
     """DeepSpeed, set up for this machine (CPU accelerator without CUDA, a shared op cache)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_CACHE))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_cache()))
     try:
         return importlib.import_module("deepspeed")
     except ImportError as err:
@@ -65,20 +87,32 @@ def ds_config(*, stage: int, micro_batch: int, grad_accum: int = 1, clip_grad_no
 
 
 def init_deepspeed(model: nn.Module, optimizer: torch.optim.Optimizer, *, env: ClusterEnv, stage: int,
-                   micro_batch: int, grad_accum: int = 1, clip_grad_norm: float = 0.0, precision: str = "fp32") -> Any:
+                   micro_batch: int, grad_accum: int = 1, clip_grad_norm: float = 0.0, precision: str = "fp32",
+                   scheduler: Any = None) -> Any:
     """The DeepSpeed engine around ``model`` and a (fresh) torch ``optimizer`` over its parameters.
-    Call after hpctrain started the process group: DeepSpeed reuses it."""
+    ``scheduler``: an lr schedule over ``optimizer`` (or a callable that builds one from it), which
+    the engine steps after each optimizer step, at the end of an accumulation window. Call after
+    hpctrain started the process group: DeepSpeed reuses it."""
     deepspeed = import_deepspeed()
     # DeepSpeed reads its rank from the environment, as its own launcher sets it; hpctrain's
     # ClusterEnv may come from Slurm variables or a test harness instead.
     for name, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", env.world_size)):
         os.environ.setdefault(name, str(value))
+    if not torch.distributed.is_initialized():  # one process, no launcher: DeepSpeed starts a group of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # (without these it looks for MPI instead)
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend)
     config = ds_config(stage=stage, micro_batch=micro_batch, grad_accum=grad_accum,
                        clip_grad_norm=clip_grad_norm, precision=precision)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=scheduler)
     return engine
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class DeepSpeedStep:
@@ -94,3 +128,52 @@ class DeepSpeedStep:
         self.engine.step()
         return loss.detach()
 
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def save_engine(engine: Any, directory: Path) -> None:
+    """DeepSpeed's own checkpoint of the engine (module, ZeRO-partitioned optimizer state, lr
+    scheduler, engine counters) into ``directory``. A collective: every rank calls it, in the
+    training thread (DeepSpeed's barriers share the training process group)."""
+    engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+
+
+def engine_files(directory: Path, rank: int) -> list[Path]:
+    """The files of ``directory`` that ``rank`` wrote: its ``zero_pp_rank_<rank>_`` partitions,
+    and for rank 0 also the whole-model file and DeepSpeed's recovery scripts. (Each rank lists
+    its own: on a node-local tier a rank sees only its node's files.)"""
+    mine = re.compile(rf"(^|_)zero_pp_rank_{rank}_")
+    anyone = re.compile(r"(^|_)zero_pp_rank_\d+_")
+    files = sorted(p for p in Path(directory).rglob("*") if p.is_file())
+    return [p for p in files if mine.search(p.name) or (rank == 0 and not anyone.search(p.name))]
+
+
+def check_world(saved_world: int, world: int, path: Path) -> None:
+    """A DeepSpeed checkpoint resumes at the world size that wrote it (its ZeRO partitions are
+    per rank); fail before training otherwise, naming both sizes."""
+    if saved_world != world:
+        raise DeepSpeedWorldChange(
+            f"checkpoint {path} holds DeepSpeed ZeRO state partitioned over {saved_world} ranks and cannot "
+            f"resume at world size {world}; hint: resume with `hpctrain run -n {saved_world}`, or export the "
+            f"weights (`hpctrain ckpt export {path} model.pt`) and start a new run from them")
+
+
+def load_engine(engine: Any, directory: Path) -> None:
+    """Put a :func:`save_engine` checkpoint back into a freshly built engine (module, optimizer
+    state, scheduler). A collective: every rank calls it."""
+    load_path, _ = engine.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if load_path is None:
+        raise DeepSpeedCheckpointError(f"DeepSpeed could not load its checkpoint from {directory / TAG}; "
+                                       f"hint: `hpctrain ckpt verify {directory.parent}`")
+
+
+def consolidated_state(directory: Path) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 state dict from a :func:`save_engine` checkpoint, without a
+    process group (DeepSpeed's ``zero_to_fp32`` merges the ZeRO partitions)."""
+    import_deepspeed()  # sets DeepSpeed's accelerator first
+    zero_to_fp32 = importlib.import_module("deepspeed.utils.zero_to_fp32")
+    state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
+    return {name: value.detach().clone() for name, value in state.items()}

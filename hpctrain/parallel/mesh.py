@@ -4,6 +4,7 @@ ranks, the same node, the fastest links)."""
 
 from __future__ import annotations
 
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hpctrain.section import ConfigError
@@ -31,3 +32,12 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if "dp_replicate" in names:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp"]
+
+
+def dp_group(mesh: DeviceMesh | None) -> ProcessGroup | None:
+    """The process group of this rank's data-parallel replicas (the ``dp`` dim, flattened under
+    HSDP): what exact evaluation merges over, each sample once. None without a mesh (one
+    process, or data parallel over the whole world: the default group)."""
+    if mesh is None:
+        return None
+    return mesh["dp"].get_group()

@@ -27,7 +27,9 @@ def on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
 def materialize(model: nn.Module, *, device: torch.device, factory: Callable[[], nn.Module], seed: int) -> None:
     """Give the parallelized meta ``model`` the weights of ``torch.manual_seed(seed); factory()``
     (built on rank 0 only, in host memory), persistent buffers and non-persistent ones alike."""
+    aliases = _aliases(model)
     model.to_empty(device=device)
+    _retie(model, aliases)
     rank0 = dist.get_rank() == 0
     full = None
     if rank0:
@@ -36,6 +38,28 @@ def materialize(model: nn.Module, *, device: torch.device, factory: Callable[[],
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
     _broadcast_other_buffers(model, full, device)
+
+
+def _aliases(model: nn.Module) -> list[tuple[str, str]]:
+    """(alias, first name) of each parameter registered under several names (tied weights)."""
+    first: dict[int, str] = {}
+    out = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            out.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return out
+
+
+def _retie(model: nn.Module, aliases: list[tuple[str, str]]) -> None:
+    """``to_empty()`` gives a module's tied parameters one tensor each (FSDP keeps them tied,
+    a model without FSDP, e.g. tensor parallel at dp=1, does not): share them again."""
+    for alias, name in aliases:
+        param = model.get_parameter(name)
+        if model.get_parameter(alias) is not param:
+            owner, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, param)
 
 
 def _broadcast_other_buffers(model: nn.Module, full: nn.Module | None, device: torch.device) -> None:

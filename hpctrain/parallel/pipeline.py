@@ -88,24 +88,63 @@ class PipelineStep:
     """
 
     def __init__(self, stages: Sequence[PipelineStage], modules: Sequence[nn.Module], *, schedule: str,
-                 microbatches: int, loss_fn: LossFn, group: dist.ProcessGroup, grad_accum: int = 1) -> None:
+                 microbatches: int, loss_fn: LossFn, group: dist.ProcessGroup, grad_accum: int = 1,
+                 block_offsets: Sequence[int] | None = None) -> None:
         self.modules, self.microbatches, self.group = list(modules), microbatches, group
+        # Global index of each local module's first block: names in checkpoints are the whole model's.
+        self.block_offsets = list(block_offsets) if block_offsets is not None else [0] * len(self.modules)
+        # This rank's stage module, or its stages in an nn.ModuleList (interleaved 1F1B): what the
+        # loop holds as the model and the optimizer steps; its names map by global_name().
+        self.model: nn.Module = self.modules[0] if len(self.modules) == 1 else nn.ModuleList(self.modules)
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         scale = 1.0 / (microbatches * grad_accum)
         # scale_grads=False + a loss pre-divided by microbatches x grad_accum: the gradients sum
         # to the accumulated batch mean's, as with the unpipelined loop's loss / grad_accum.
-        self.schedule = _make_schedule(schedule, list(stages), microbatches, lambda out, tgt: loss_fn(out, tgt) * scale)
+        self.schedule = _make_schedule(schedule, list(stages), microbatches,
+                                       lambda out, tgt: self._scaled(loss_fn(out, tgt) * scale))
         self.unscale = float(grad_accum)  # the recorded losses are mean / grad_accum in sum
+        # precision=fp16: the loop's GradScaler (a ShardedGradScaler, whose inf check is one
+        # all-reduce over every rank, so all stages skip an overflowed step together). The
+        # loss is scaled inside the schedule's loss function: backward starts from it there.
+        self.grad_scaler: torch.amp.GradScaler | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (all its stages): give these to the optimizer."""
         return [p for module in self.modules for p in module.parameters()]
 
+    def global_name(self, fqn: str) -> str:
+        """A name in :attr:`model` as the whole (unpipelined) model has it: the stage's
+        ``blocks.i`` renumbered to the global block index (and the ModuleList index dropped)."""
+        parts = fqn.split(".")
+        index = 0
+        if len(self.modules) > 1:
+            index, parts = int(parts[0]), parts[1:]
+        if len(parts) > 1 and parts[0] == "blocks":
+            parts[1] = str(int(parts[1]) + self.block_offsets[index])
+        return ".".join(parts)
+
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """The whole batch's outputs through the stages without backward (torch's own
+        ``schedule.eval``): the logits on the last stage's rank, None on the others. Call it
+        with the same batch shape each time (the stages' buffers are sized once per mode).
+        ``targets``: the schedule's last stage computes its loss in eval too (ignored here)."""
+        if inputs.shape[0] % self.microbatches:
+            raise ValueError(f"pipeline: the batch of {inputs.shape[0]} samples does not split into "
+                             f"parallel.microbatches={self.microbatches} equal micro-batches")
+        args = (inputs,) if self.has_first else ()
+        if not self.has_last:
+            self.schedule.eval(*args)
+            return None
+        out = self.schedule.eval(*args, target=targets)
+        return out if isinstance(out, torch.Tensor) else None
+
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if inputs.shape[0] % self.microbatches:
             raise ValueError(f"pipeline: the batch of {inputs.shape[0]} samples does not split into "
                              f"parallel.microbatches={self.microbatches} equal micro-batches")
+        if self.grad_scaler is not None:  # every stage's scaler holds a scale to unscale by (the last one's scales)
+            self.grad_scaler.scale(torch.ones((), device=inputs.device))
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         if self.has_last:
@@ -113,7 +152,12 @@ class PipelineStep:
         else:
             self.schedule.step(*args)
         loss = torch.stack(losses).sum() * self.unscale if losses else torch.zeros(())
+        if losses and self.grad_scaler is not None:
+            loss = loss / self.grad_scaler.get_scale()  # a power of two: exact
         return self._share(loss.detach(), inputs.device)
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
     def _share(self, loss: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Every pipeline rank gets the last stage's loss (for logging and agreement)."""
@@ -142,9 +186,11 @@ def build_pipeline(model: nn.Module, *, pp_group: dist.ProcessGroup, device: tor
     pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
     ids = local_stage_ids(pp_rank, pp, schedule, virtual_stages)
     n_stages = pp * len(ids)
+    _ends(model)  # the contract checked before `blocks` is read
+    offsets = [split_blocks(len(list(model.get_submodule("blocks").children())), n_stages)[i].start for i in ids]
     modules = [stage_module(model, i, n_stages, copy_model=len(ids) > 1) for i in ids]
     if wrap is not None:
         modules = [wrap(m) for m in modules]
     stages = [PipelineStage(m, i, n_stages, device, group=pp_group) for m, i in zip(modules, ids)]
     return PipelineStep(stages, modules, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
-                        group=pp_group, grad_accum=grad_accum)
+                        group=pp_group, grad_accum=grad_accum, block_offsets=offsets)

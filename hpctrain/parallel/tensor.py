@@ -80,3 +80,29 @@ def _shard_sequence_edges(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceM
     # use_local_output: the rest of the model (final norm, head, loss) sees a plain full tensor.
     last.register_forward_hook(lambda _m, _i, out: out.redistribute(placements=[Replicate()]).to_local())
 
+
+
+def check_tp_model(model: nn.Module, tp: int) -> None:
+    """Can :func:`apply_tp` split ``model`` (built on meta: no memory) over ``tp`` ranks? A
+    ValueError names what is missing or indivisible, before any rank starts."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(f"tensor parallel needs the model's transformer blocks as `blocks` (an nn.ModuleList); "
+                         f"{type(model).__name__} has none")
+    for index, block in enumerate(blocks):
+        block_plan(block)  # finds the q/k/v/up columns, or says which names it looked for
+        for name, module in block.named_modules():
+            _check_divisible(f"blocks.{index}.{name}", module, tp)
+
+
+def _check_divisible(name: str, module: nn.Module, tp: int) -> None:
+    leaf = name.rsplit(".", 1)[-1]
+    if isinstance(module, nn.Linear) and leaf in COLUMN + ROW:
+        width = module.out_features if leaf in COLUMN else module.in_features
+        if width % tp:
+            raise ValueError(f"{name} has {width} {'output' if leaf in COLUMN else 'input'} features, "
+                             f"not divisible by tp={tp}")
+    head_dim, q = getattr(module, "head_dim", None), getattr(module, "q", None)
+    if isinstance(head_dim, int) and isinstance(q, nn.Linear) and (q.out_features // tp) % head_dim:
+        raise ValueError(f"{name} has {q.out_features // head_dim} heads, not divisible by tp={tp} "
+                         "(each rank computes whole heads)")

@@ -15,6 +15,7 @@ from hpctrain.config import Config, to_dict
 from hpctrain.env import ClusterEnv
 from hpctrain.telemetry.flops import peak_flops
 from hpctrain.telemetry.loggers import LoggerOptions, Loggers, build_loggers
+from hpctrain.telemetry.memory import MemoryProbe
 from hpctrain.telemetry.meter import Meter
 from hpctrain.telemetry.profiler import StepProfiler
 from hpctrain.telemetry.stragglers import StragglerDetector, StragglerReport, StragglerSchedule
@@ -30,6 +31,7 @@ class Telemetry:
     schedule: StragglerSchedule | None = None
     profiler: StepProfiler | None = None
     reports: list[StragglerReport] = field(default_factory=list)
+    memory: MemoryProbe = field(default_factory=MemoryProbe)  # armed by the loop: the first step's breakdown
 
     @classmethod
     def build(cls, cfg: Config, env: ClusterEnv, device: torch.device, step: int,
@@ -64,6 +66,8 @@ class Telemetry:
         straggler gather when due (one small all-gather; the same steps on every rank)."""
         if self.profiler is not None:
             self.profiler.step()
+        if self.memory.pending:  # until gathered (the first step): one all-gather of 4 numbers
+            self.memory.after_step()
         if self.schedule is not None and self.detector is not None and self.schedule.due(step):
             report = self.detector.gather(step, *self.meter.straggler_times(step))
             self.schedule.done(step, report)
@@ -72,6 +76,7 @@ class Telemetry:
 
     def stop(self) -> None:
         """After the loop: the profiler writes its trace (also for a window cut short)."""
+        self.memory.disarm()
         if self.profiler is not None:
             self.profiler.__exit__(None, None, None)
 
@@ -81,7 +86,7 @@ class Telemetry:
 
     def summary(self, step: int) -> dict[str, Any]:
         """The run's means, the stragglers named, and (rank 0 profiled) the top-10 ops."""
-        out = self.meter.summary(step)
+        out = self.meter.summary(step) | self.memory.summary()
         if self.reports:
             out["straggler_max_imbalance"] = max(r.imbalance for r in self.reports)
             out["stragglers"] = sorted({rank for r in self.reports for rank in r.stragglers})

@@ -1,0 +1,56 @@
+"""A pipeline rank's checkpoint state under the whole model's names.
+
+Each rank holds its stage(s) only, with the stage's own block numbering (``blocks.0`` of
+stage 1 is the whole model's ``blocks.k``). Saved under the whole model's names, through
+DCP, the stages' files form one model's checkpoint: it resumes at another dp degree, another
+pp degree, or in one process (which loads every name). The optimizer state is saved
+flattened (one entry per parameter name, param-group settings included), so that no entry
+holds a list of another stage's parameter names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from hpctrain.parallel.pipeline import PipelineStep
+
+# flatten_optimizer_state_dict: keys "state.<param name>.<key>" and "param_groups.<param name>.<key>"
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_OPTIM_SECTIONS = ("state", "param_groups")
+
+
+def _global_optim_key(step: PipelineStep, key: str) -> str:
+    section, rest = key.split(".", 1)
+    if section not in _OPTIM_SECTIONS:
+        raise ValueError(f"unexpected flattened optimizer key {key!r}")
+    name, item = rest.rsplit(".", 1)
+    return f"{section}.{step.global_name(name)}.{item}"
+
+
+def pipeline_state(step: PipelineStep, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` of this rank's stage(s), whole-model names; live
+    tensors (DTensor shards under FSDP), no copies. Every rank of the stage's dp group calls it."""
+    model_sd, optim_sd = get_state_dict(step.model, optimizer, options=FLAT)
+    return {"model": {step.global_name(k): v for k, v in model_sd.items()},
+            "optimizer": {_global_optim_key(step, k): v for k, v in optim_sd.items()}}
+
+
+def load_pipeline_state(step: PipelineStep, optimizer: torch.optim.Optimizer, path: str,
+                        group: dist.ProcessGroup | None) -> None:
+    """Read this rank's names from the DCP checkpoint at ``path`` (saved at any pp / dp degree,
+    by :func:`pipeline_state`) into the stage(s) and the optimizer."""
+    model_sd, optim_sd = get_state_dict(step.model, optimizer, options=FLAT)
+    model_names = {step.global_name(k): k for k in model_sd}
+    optim_names = {_global_optim_key(step, k): k for k in optim_sd}
+    model_global: dict[str, Any] = {g: model_sd[k] for g, k in model_names.items()}
+    optim_global: dict[str, Any] = {g: optim_sd[k] for g, k in optim_names.items()}
+    # DCP loads tensors in place and replaces the other values in these dicts
+    dcp.load({"model": model_global, "optimizer": optim_global}, checkpoint_id=path, process_group=group)
+    set_state_dict(step.model, optimizer, options=FLAT,
+                   model_state_dict={k: model_global[g] for g, k in model_names.items()},
+                   optim_state_dict={k: optim_global[g] for g, k in optim_names.items()})

@@ -1,0 +1,200 @@
+"""What a rank's training memory is made of, measured once, at the run's first optimizer step:
+parameters, gradients and optimizer state (the bytes of the local tensors this rank holds,
+:mod:`hpctrain.parallel.footprint`) and activations (the peak of the bytes autograd keeps
+for backward). The run's summary gets ``memory_breakdown``: one entry per rank.
+
+Activations are counted with :class:`torch.autograd.graph.saved_tensors_hooks`: every tensor
+saved for backward passes the pack hook, each distinct storage is counted once while it is
+held, and the peak of that sum is kept (so gradient accumulation counts one micro-batch, and
+a pipeline schedule the micro-batches it has in flight). Saved parameters (whole, or
+gathered by FSDP / ZeRO-3) are not activations and are left out; autocast's low-precision
+weight copies are kept in (they live until backward like any activation). Under activation
+checkpointing the count is what is saved outside the checkpointed regions (their inputs,
+the head): the checkpoint keeps what its policy saves, and recomputes the rest, out of the
+hooks' sight.
+
+Off the hot path: the hooks are on from :meth:`MemoryProbe.arm` to the first optimizer step,
+then removed; the ranks exchange their four numbers once (one small all-gather) after it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import astuple, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hpctrain.parallel.footprint import (
+    StorageKey,
+    distinct_bytes,
+    grad_bytes,
+    optimizer_bytes,
+    param_tensors,
+    storage_key,
+)
+
+GATHER_TRIES = 20  # optimizer steps skipped (fp16 overflow) before the breakdown is given up
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    def to_dict(self, rank: int) -> dict[str, int]:
+        return {"rank": rank, "params_bytes": self.params, "grads_bytes": self.grads,
+                "optimizer_bytes": self.optimizer, "activations_bytes": self.activations}
+
+
+class SavedTensorMeter:
+    """Live and peak bytes of the distinct storages autograd holds for backward (a context
+    manager; the hooks are thread-local: enter it on the thread that runs the forward)."""
+
+    def __init__(self, exclude: set[StorageKey] | None = None) -> None:
+        self.exclude = exclude or set()
+        self.live = self.peak = 0
+        self._refs: dict[StorageKey, tuple[int, int]] = {}  # storage -> (holders, bytes)
+        self._lock = threading.Lock()  # releases may come from autograd's backward threads
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        key = storage_key(tensor)
+        if key is None or key in self.exclude or _is_parameter(tensor):
+            return tensor
+        with self._lock:
+            holders, nbytes = self._refs.get(key, (0, tensor.untyped_storage().nbytes()))
+            self._refs[key] = (holders + 1, nbytes)
+            if holders == 0:
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+        return _Saved(self, key, tensor)
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def release(self, key: StorageKey) -> None:
+        with self._lock:
+            holders, nbytes = self._refs[key]
+            if holders > 1:
+                self._refs[key] = (holders - 1, nbytes)
+            else:
+                del self._refs[key]
+                self.live -= nbytes
+
+
+class _Saved:
+    """What autograd keeps instead of the tensor; autograd drops it once backward used it."""
+
+    __slots__ = ("meter", "key", "tensor")
+
+    def __init__(self, meter: SavedTensorMeter, key: StorageKey, tensor: torch.Tensor) -> None:
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one (``weight.t()`` saved by a matmul; FSDP's gathered ones)."""
+    current: torch.Tensor | None = tensor
+    while current is not None:
+        if isinstance(current, nn.Parameter):
+            return True
+        current = current._base
+    return False
+
+
+class MemoryProbe:
+    """``arm(model, optimizer)`` before the loop; ``after_step()`` after every optimizer step
+    (every rank); ``summary()`` then has ``memory_breakdown``. ``model``: the module the loop
+    trains (DDP/FSDP-wrapped, a pipeline stage, or a DeepSpeed engine); ``optimizer``: the
+    torch optimizer the loop (or DeepSpeed's ZeRO optimizer) steps."""
+
+    def __init__(self) -> None:
+        self.local: MemoryBreakdown | None = None
+        self.ranks: list[MemoryBreakdown] | None = None
+        self._meter: SavedTensorMeter | None = None
+        self._handles: list[RemovableHandle] = []
+        self._grads = self._tries = 0
+        self._optimizer: int | None = None
+        self._param_bytes: Callable[[], int] = lambda: -1
+        self._armed = self._counting = False
+        self.pending = False  # armed and not yet gathered: the loop calls after_step only then
+
+    def arm(self, model: nn.Module, optimizer: Any) -> None:
+        if self._armed:
+            return  # once per run
+        params = {k for k in map(storage_key, param_tensors(model)) if k is not None}
+        self._meter = SavedTensorMeter(exclude=params).__enter__()
+        self._armed = self._counting = self.pending = True
+        inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer steps its shard's optimizer
+        hooked = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+        def before(*_: Any) -> None:  # gradients complete, activations used: measure, stop counting
+            self._grads = grad_bytes(model, optimizer)
+            self._stop_counting()
+
+        def after(*_: Any) -> None:  # the optimizer state exists from the first step on
+            self._optimizer = optimizer_bytes(model, optimizer)
+            self.disarm()
+
+        # the parameters once the whole step is over (DeepSpeed ZeRO-3 re-gathers those it keeps whole)
+        self._param_bytes = lambda: distinct_bytes(param_tensors(model))
+
+        self._handles = [hooked.register_step_pre_hook(before), hooked.register_step_post_hook(after)]
+
+    def _stop_counting(self) -> None:
+        if self._counting and self._meter is not None:
+            self._meter.__exit__(None, None, None)  # the saved-tensor hooks off, exactly once
+        self._counting = False
+
+    def disarm(self) -> None:
+        """Remove every hook (also for a run that ends before its first step)."""
+        self._stop_counting()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def after_step(self) -> None:
+        """Every rank, after each optimizer step until the breakdown is gathered: one all-gather
+        of four numbers (an fp16-skipped step leaves a rank's at -1; all ranks skip together)."""
+        if not self._armed or self.ranks is not None or self._tries >= GATHER_TRIES:
+            self.pending = False
+            return  # never armed (a loop without the probe), done, or given up: no collective
+        self._tries += 1
+        if self.local is None and self._optimizer is not None:
+            activations = self._meter.peak if self._meter is not None else 0
+            self.local = MemoryBreakdown(self._param_bytes(), self._grads, self._optimizer, activations)
+        mine = self.local or MemoryBreakdown(-1, -1, -1, -1)
+        if not (dist.is_available() and dist.is_initialized()):
+            self.ranks = [mine] if self.local is not None else None
+            self.pending = self.ranks is None and self._tries < GATHER_TRIES
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        local = torch.tensor(astuple(mine), dtype=torch.int64, device=device)
+        gathered = torch.empty(dist.get_world_size() * 4, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(gathered, local)
+        rows = [MemoryBreakdown(*map(int, row)) for row in gathered.view(-1, 4).tolist()]
+        if all(row.params >= 0 for row in rows):
+            self.ranks = rows
+        self.pending = self.ranks is None and self._tries < GATHER_TRIES
+
+    def summary(self) -> dict[str, Any]:
+        if self.ranks is None:
+            return {}
+        return {"memory_breakdown": [row.to_dict(rank) for rank, row in enumerate(self.ranks)]}
