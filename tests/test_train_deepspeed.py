@@ -112,6 +112,18 @@ def test_lr_schedule_and_losses_match_one_process(one_process: Path, saved: Call
     assert want[STEPS]["loss"] < want[1]["loss"] - 1.0
 
 
+def test_sgd_under_zero3_matches_one_process(shards: Path, tmp_path: Path) -> None:
+    """hpctrain hands its own torch optimizer to ZeRO; SGD with momentum (the default optimizer,
+    which DeepSpeed calls untested) under ZeRO-3 gives the one-process losses."""
+    sgd = ["optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.05", "train.max_steps=4", "checkpoint.enabled=false"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    check_ok(_run(1, shards, one, *sgd))
+    check_ok(_run(2, shards, two, *_ds(3), *sgd))
+    want, got = _rows(one), _rows(two)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    assert max(abs(got[s]["loss"] - want[s]["loss"]) for s in want) < TOL
+
+
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_checkpoint_resumes_to_the_uninterrupted_run(shards: Path, saved: Callable[[int], Path], tmp_path: Path,
                                                      stage: int) -> None:
