@@ -69,7 +69,19 @@ def _check_tensor_parallel(cfg: Config, env: cluster.ClusterEnv) -> None:
     any other model, or widths tp does not divide, fails here, before the process group. The
     model is built on meta (no memory); the world must be dp x tp x pp."""
     p, name = cfg.parallel, cfg.model.name
-    check_topology(p, env.world_size, num_nodes=env.num_nodes)
+    topo = check_topology(p, env.world_size, num_nodes=env.num_nodes)
+    if cfg.precision == "fp16" and (topo.dp == 1 or p.strategy not in SHARDED):
+        # without FSDP over dp the embedding, norms and head stay plain tensors beside the DTensor
+        # blocks, and the fp16 scaler's unscale cannot take both in one call
+        raise ConfigError(f"precision=fp16 with parallel.tp={p.tp} needs data parallelism under "
+                          f"parallel.strategy=fsdp or hsdp (got dp={topo.dp}, strategy={p.strategy}); hint: "
+                          "precision=bf16 (no loss scaling needed), or more ranks with parallel.strategy=fsdp")
+    if cfg.train.compile and p.activation_checkpointing != "none":
+        # torch 2.13's compiled activation checkpointing saves the DTensors' DeviceMesh for its
+        # version check and fails in the first backward (found running tp2 + block + compile)
+        raise ConfigError(f"parallel.tp={p.tp} with train.compile=true and parallel.activation_checkpointing="
+                          f"{p.activation_checkpointing} fails inside torch.compile (DTensor in a checkpointed "
+                          "region); hint: parallel.activation_checkpointing=none, or train.compile=false")
     model = on_meta(lambda: build_model(name, cfg.model.num_classes or None, config=cfg.model))
     try:
         check_tp_model(model, p.tp)

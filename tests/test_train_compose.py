@@ -9,6 +9,7 @@ zero1's two modes with each other. torch.compile on CPU is slow: one compiled ca
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,11 +33,29 @@ BASE = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4"
         "data.name=shards", "data.batch_size=4", "data.global_batch_size=8", "data.max_val_samples=8",
         "train.max_steps=3", "train.log_every=1", "train.progress=false", "train.threads=1", "optim.name=adamw",
         "optim.lr=0.01", "checkpoint.enabled=false"]
-CASES = [("ddp", "block", False), ("ddp", "selective", True), ("fsdp", "selective", False),
-         ("fsdp", "block", True), ("zero1", "block", False), ("zero1", "selective", False)]
+UNTIED = ["model.tie_weights=false"]  # pipeline stages cannot share the embedding with the head
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+# (id, the strategy's keys, activation checkpointing, compile): every strategy of the loop, in the
+# documented order tp -> activation checkpointing -> compile -> FSDP / DDP / pipeline stages
+CASES = [("ddp", ["parallel.strategy=ddp"], "block", False), ("ddp", ["parallel.strategy=ddp"], "selective", True),
+         ("fsdp", ["parallel.strategy=fsdp"], "selective", False), ("fsdp", ["parallel.strategy=fsdp"], "block", True),
+         ("zero1", ["parallel.strategy=zero1"], "block", False),
+         ("zero1", ["parallel.strategy=zero1"], "selective", False),
+         ("tp2", ["parallel.tp=2"], "selective", False), ("tp2", ["parallel.tp=2"], "none", True),
+         ("pp2", ["parallel.pp=2", "parallel.microbatches=2", *UNTIED], "block", False),
+         ("deepspeed", ["parallel.strategy=deepspeed"], "block", False)]
+
+
+def _marks(name: str, compiled: bool) -> list[pytest.MarkDecorator]:
+    marks = [pytest.mark.slow] if compiled else []
+    if name == "deepspeed":
+        marks.append(pytest.mark.skipif(not HAS_DEEPSPEED, reason="the deepspeed extra is not installed"))
+    return marks
+
+
 # compile: ~1 min per case here with inductor's cache warm, a few more cold (CPU codegen)
-PARAMS = [pytest.param(s, m, c, id=f"{s}-{m}{'-compile' if c else ''}", marks=[pytest.mark.slow] if c else [])
-          for s, m, c in CASES]
+PARAMS = [pytest.param(name, keys, m, c, id=f"{name}-{m}{'-compile' if c else ''}", marks=_marks(name, c))
+          for name, keys, m, c in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +63,19 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return corpus_shards(tmp_path_factory.mktemp("corpus"))
 
 
+def _plain(shards: Path, run: Path, *extra: str) -> dict[str, Any]:
+    summary = train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={run}", *extra]))
+    return {"losses": step_losses(run), "sha": summary["params_sha256"], "val_loss": summary["val_loss"]}
+
+
 @pytest.fixture(scope="module")
 def plain(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    run = tmp_path_factory.mktemp("plain") / "run"
-    summary = train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={run}"]))
-    return {"losses": step_losses(run), "sha": summary["params_sha256"], "val_loss": summary["val_loss"]}
+    return _plain(shards, tmp_path_factory.mktemp("plain") / "run")
+
+
+@pytest.fixture(scope="module")
+def plain_untied(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _plain(shards, tmp_path_factory.mktemp("plain_untied") / "run", *UNTIED)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +83,8 @@ def zero1_hashes() -> dict[str, str]:
     return {}
 
 
-def _model_pt_sha(run: Path) -> str:
-    model = GPT(GPTShape(vocab=256, seq_len=16, n_layers=2, hidden=32, heads=4))
+def _model_pt_sha(run: Path, tied: bool = True) -> str:
+    model = GPT(GPTShape(vocab=256, seq_len=16, n_layers=2, hidden=32, heads=4, tie_weights=tied))
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
     return params_sha256(model)
 
@@ -71,14 +98,16 @@ def test_checkpointing_in_one_process_changes_no_bit(shards: Path, plain: dict[s
     assert step_losses(run) == plain["losses"] and summary["params_sha256"] == plain["sha"] == _model_pt_sha(run)
 
 
-@pytest.mark.parametrize(("strategy", "mode", "compiled"), PARAMS)
-def test_two_ranks_compose_with_checkpointing_and_compile(shards: Path, plain: dict[str, Any], tmp_path: Path,
-                                                          zero1_hashes: dict[str, str], strategy: str, mode: str,
-                                                          compiled: bool) -> None:
+@pytest.mark.parametrize(("name", "keys", "mode", "compiled"), PARAMS)
+def test_two_ranks_compose_with_checkpointing_and_compile(shards: Path, request: pytest.FixtureRequest,
+                                                          tmp_path: Path, zero1_hashes: dict[str, str], name: str,
+                                                          keys: list[str], mode: str, compiled: bool) -> None:
+    tied = not set(UNTIED) <= set(keys)
+    plain: dict[str, Any] = request.getfixturevalue("plain" if tied else "plain_untied")
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "hpctrain", "run", "-n", "2", "train", *BASE, f"data.path={shards}",
-           f"run.dir={run}", f"parallel.strategy={strategy}", f"parallel.activation_checkpointing={mode}",
+           f"run.dir={run}", *keys, f"parallel.activation_checkpointing={mode}",
            f"train.compile={str(compiled).lower()}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
@@ -87,7 +116,7 @@ def test_two_ranks_compose_with_checkpointing_and_compile(shards: Path, plain: d
     assert max(abs(got[s] - want[s]) for s in want) < tol, (got, want)
     summary = json.loads((run / "summary.json").read_text())
     assert abs(summary["val_loss"] - plain["val_loss"]) < tol
-    assert summary["params_sha256"] == _model_pt_sha(run)  # the wrappers' names never reach the hash
-    if strategy == "zero1":  # block and selective give the same bits: compared once both have run
+    assert summary["params_sha256"] == _model_pt_sha(run, tied)  # the wrappers' names never reach the hash
+    if name == "zero1":  # block and selective give the same bits: compared once both have run
         zero1_hashes[mode] = summary["params_sha256"]
         assert len(set(zero1_hashes.values())) == 1, zero1_hashes

@@ -186,4 +186,11 @@ def test_tp_checks_name_the_numbers() -> None:
     three = ClusterEnv(world_size=3, local_world_size=3)
     with pytest.raises(ConfigError, match=r"= 2 != world size 3"):
         check_strategy(load_config(None, [*BASE, "parallel.tp=2"]), three)
+    fp16 = load_config(None, [*BASE, "parallel.tp=2", "precision=fp16"])
+    with pytest.raises(ConfigError, match=r"precision=fp16 with parallel.tp=2 needs .* \(got dp=1, strategy=ddp\)"):
+        check_strategy(fp16, two)
+    compiled = load_config(None, [*BASE, "parallel.tp=2", "train.compile=true",
+                                  "parallel.activation_checkpointing=block"])
+    with pytest.raises(ConfigError, match=r"hint: parallel.activation_checkpointing=none, or train.compile=false"):
+        check_strategy(compiled, two)
     check_strategy(load_config(None, [*BASE, "parallel.tp=2"]), two)
