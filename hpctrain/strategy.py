@@ -99,14 +99,10 @@ def _check_deepspeed_loop(cfg: Config) -> None:
 
 
 def _check_pipeline_loop(cfg: Config, env: cluster.ClusterEnv) -> None:
-    """What the loop runs under parallel.pp > 1: pipeline stages x data-parallel replicas
-    (strategy fsdp/hsdp over dp), fp32/bf16/fp16, validation, DCP checkpoints; no tp inside the stages."""
+    """What the loop runs under parallel.pp > 1: pipeline stages, tensor parallel inside them, x
+    data-parallel replicas (strategy fsdp/hsdp over dp), fp32/bf16/fp16, validation, DCP checkpoints."""
     p = cfg.parallel
     check_topology(p, env.world_size, num_nodes=env.num_nodes)  # world = dp x tp x pp, numbers in the message
-    if p.tp > 1:  # the stages' validation would count the tp ranks' identical outputs tp times
-        raise ConfigError(f"parallel.pp={p.pp} with parallel.tp={p.tp}: the trainer does not run tensor parallelism "
-                          "inside pipeline stages yet; hint: parallel.tp=1 (dp x pp with parallel.strategy=fsdp), "
-                          "or hpctrain.parallel.build_pipeline_step in your own loop")
     if cfg.train.compile or p.meta_init:
         raise ConfigError(f"parallel.pp={p.pp} builds its stages without train.compile or parallel.meta_init yet; "
                           "hint: train.compile=false parallel.meta_init=false")

@@ -406,7 +406,8 @@ def _validate(loop: Loop) -> None:
         return
     if isinstance(parts.step, PipelineStep):  # pp: forward through the stages, metrics on the last
         res = evaluate_pipeline(parts.step, parts.val_loader, parts.metrics, loop.env, loop.device,
-                                parts.precision, task=parts.task, batch_size=eval_batch_size(loop.cfg))
+                                parts.precision, task=parts.task, batch_size=eval_batch_size(loop.cfg),
+                                leader=loop.env.rank % loop.cfg.parallel.tp == 0)  # tp ranks: count once
     else:
         res = evaluate(parts.model, parts.val_loader, parts.metrics, loop.env, loop.device, parts.precision,
                        task=parts.task, group=dp_group(parts.mesh))  # tp ranks share a shard: merge over dp

@@ -41,7 +41,8 @@ def full_state(cfg: Config, env: cluster.ClusterEnv, parts: Components) -> Sourc
     if isinstance(parts.step, PipelineStep):
         step = parts.step
         return pipeline_source({step.global_name(k): v for k, v in step.model.state_dict().items()},
-                               sender=data_env(cfg, env).rank == 0, rank=env.rank,
+                               # one rank of each stage owns its names: replica 0's tp rank 0
+                               sender=data_env(cfg, env).rank == 0 and env.rank % cfg.parallel.tp == 0, rank=env.rank,
                                device=cluster.collective_device())
     if isinstance(parts.step, DeepSpeedStep):  # ZeRO-3: DeepSpeed's own gather (to rank 0)
         return dict_source(deepspeed_full_state(parts.model, env) if env.is_main or _zero3(parts.model) else {})

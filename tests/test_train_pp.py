@@ -70,6 +70,28 @@ def test_pp2_x_dp2_matches_one_process(shards: Path, one_process: Path, tmp_path
     assert params_sha256(model) == four["params_sha256"]
 
 
+def test_pp2_x_tp2_matches_one_process(shards: Path, one_process: Path, tmp_path: Path) -> None:
+    """World 4 = pp2 x tp2: tensor parallel inside each stage; both tp ranks of a stage read the
+    same batches, validation counts the last stage's outputs once (not tp times), model.pt is
+    gathered from the DTensor shards of every stage, and a checkpoint resumes bit for bit."""
+    run, pptp = tmp_path / "pp2tp2", [*PP, "parallel.pp=2", "parallel.tp=2", "train.max_steps=4"]
+    check_ok(_run(4, shards, run, *pptp, "checkpoint.every_steps=2"))
+    assert_close(step_losses(run), step_losses(one_process))
+    resumed = tmp_path / "resumed"  # DCP with DTensor shards under the whole model's names: bit for bit
+    check_ok(_run(4, shards, resumed, *pptp, f"resume={run / 'checkpoints' / 'step-000000002'}"))
+    assert read_summary(resumed)["params_sha256"] == read_summary(run)["params_sha256"]
+    one, four = read_summary(one_process), read_summary(run)
+    assert four["samples_seen"] == one["samples_seen"] == 64
+    assert four["val_count"] == one["val_count"] == 41 and abs(four["val_loss"] - one["val_loss"]) < TOL
+    model = GPT(SHAPE)
+    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
+    assert params_sha256(model) == four["params_sha256"]
+    reference = GPT(SHAPE)
+    reference.load_state_dict(torch.load(one_process / "model.pt", weights_only=True))
+    for name, value in reference.state_dict().items():
+        assert (model.state_dict()[name] - value).abs().max() < 1e-4, name  # summation order only
+
+
 def test_pp2_interleaved_validation_counts_every_sample_once(shards: Path, tmp_path: Path) -> None:
     """Interleaved 1F1B (two stages per rank, 4 blocks): validation every 2 steps through the
     stages, eval batches of 3 padded to the 2 micro-batches, counts all 41 samples once."""
@@ -117,8 +139,7 @@ def test_pipeline_limits_fail_before_start() -> None:
         check_strategy(load_config(None, [*BASE, *PP, "parallel.pp=2", "parallel.dp=1"]),
                        ClusterEnv(world_size=3, local_world_size=3))
     check_strategy(load_config(None, [*BASE, *PP, "parallel.pp=2", "precision=fp16"]), two)
-    with pytest.raises(ConfigError, match="parallel.pp=2 with parallel.tp=2: the trainer does not run tensor"):
-        check_strategy(load_config(None, [*BASE, *PP, "parallel.pp=2", "parallel.tp=2"]), four)
+    check_strategy(load_config(None, [*BASE, *PP, "parallel.pp=2", "parallel.tp=2"]), four)  # tp inside stages
     with pytest.raises(ConfigError, match="hint: model.tie_weights=false"):
         check_strategy(load_config(None, [*BASE, "parallel.pp=2", "parallel.strategy=fsdp"]), four)
 

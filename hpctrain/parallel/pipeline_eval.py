@@ -67,9 +67,11 @@ def pad_batch(batch: Batch, size: int) -> Batch:
 @torch.no_grad()
 def evaluate_pipeline(step: PipelineStep, loader: EvalBatches, metrics: Sequence[Metric], env: ClusterEnv,
                       device: torch.device, precision: Precision | None, *, task: Task,
-                      batch_size: int) -> EvalResult:
+                      batch_size: int, leader: bool = True) -> EvalResult:
     """``metrics`` over ``loader`` (this data-parallel replica's share) through the stages;
-    the merged, global values on every rank. Every rank calls it."""
+    the merged, global values on every rank. Every rank calls it. ``leader``: this rank counts
+    its stage's outputs; False on all but one tensor-parallel rank of a stage, whose outputs
+    are the same."""
     start = time.perf_counter()
     size = padded_size(batch_size, step.microbatches)
     was_training = [m.training for m in step.modules]
@@ -84,7 +86,7 @@ def evaluate_pipeline(step: PipelineStep, loader: EvalBatches, metrics: Sequence
             with precision.autocast() if precision else torch.autocast("cpu", enabled=False):
                 logits = step.forward_only(inputs, targets)
             out = task.eval_step(_Logits(logits), batch, None) if logits is not None else None
-            if out is None:  # not the last stage, or a batch of padding only
+            if out is None or not leader:  # not the last stage, a batch of padding only, or a tp twin
                 continue
             for metric in metrics:
                 metric.update(out)
