@@ -80,14 +80,6 @@ def timed_saves(writer: CheckpointWriter, parts: Components, steps: list[int]) -
     return times
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def timed(fn: Any) -> float:
     start = time.perf_counter()
     fn()

@@ -313,12 +313,12 @@ def _write_engine(engine: Any, target: Path, env: ClusterEnv) -> dict[str, dict[
     save_engine(engine, directory)  # ends in DeepSpeed's barrier: every rank's files are complete
     files = {}
     for path in engine_files(directory, env.rank):
-        _fsync(path)
+        fsync_file(path)
         files[path.relative_to(target).as_posix()] = layout.hash_file(path)
     return files
 
 
-def _fsync(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
