@@ -9,9 +9,7 @@ import logging
 from dataclasses import replace
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from hpctrain import env as cluster
 from hpctrain.config import Config, ConfigError
@@ -19,7 +17,6 @@ from hpctrain.models import build_model
 from hpctrain.parallel import mesh_for
 from hpctrain.parallel.config import SHARDED, check_topology
 from hpctrain.parallel.deepspeed import import_deepspeed
-from hpctrain.parallel.fsdp import FSDPModule
 from hpctrain.parallel.meta import on_meta
 from hpctrain.parallel.tensor import check_tp_model
 
@@ -123,9 +120,3 @@ def sharded_checkpoints(cfg: Config) -> Config:
              f", tp={p.tp}" if p.tp > 1 else "", f", pp={p.pp}" if p.pp > 1 else "")
     return replace(cfg, checkpoint=replace(cfg.checkpoint, format="dcp"))
 
-
-def is_sharded(model: nn.Module) -> bool:
-    """Does this rank hold shards (FSDP, tensor parallel) rather than whole parameters? (FSDP's
-    parameters are whole between a forward and its backward: ZeRO-2 after an eval forward.)"""
-    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
-        isinstance(param, DTensor) for param in model.parameters())

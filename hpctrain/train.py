@@ -30,7 +30,7 @@ from hpctrain.evaluate import EvalResult, evaluate
 from hpctrain.metrics import Metric
 from hpctrain.models import build_model
 from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
-from hpctrain.parallel import build_parallel, build_pipeline_step, unwrap
+from hpctrain.parallel import build_parallel, build_pipeline_step, is_sharded, unwrap
 from hpctrain.parallel.clip import clip_grad_norm_
 from hpctrain.parallel.ddp import no_sync
 from hpctrain.parallel.deepspeed import DeepSpeedStep, init_deepspeed
@@ -50,7 +50,7 @@ from hpctrain.rundir import (
     resolve_run_dir,
     write_json,
 )
-from hpctrain.strategy import check_strategy, data_env, is_sharded, model_mesh, sharded_checkpoints
+from hpctrain.strategy import check_strategy, data_env, model_mesh, sharded_checkpoints
 from hpctrain.tasks import Classification, Task, resolve_task
 from hpctrain.telemetry.loop import Telemetry
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER

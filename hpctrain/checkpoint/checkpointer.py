@@ -38,6 +38,7 @@ from hpctrain.checkpoint.state import (
 from hpctrain.checkpoint.writer import CheckpointWriter, default_group, storage_ptr
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import UserError, agree
+from hpctrain.parallel import is_sharded
 from hpctrain.section import to_dict
 
 if TYPE_CHECKING:  # the composed config imports this package: no runtime import back
@@ -142,7 +143,7 @@ class Checkpointer:
             files = manifest["files"]
             fmt = self._check_format(path, manifest)
             same_world = manifest.get("world_size") == self.env.world_size
-            whole_into_live = fmt == "torch" and not _holds_shards(self.parts.model)  # bytes straight into the params
+            whole_into_live = fmt == "torch" and not is_sharded(self.parts.model)  # bytes straight into the params
             replicated = load_replicated(path, live_tensors(self.parts) if whole_into_live else None, files)
             per_rank = load_file(path / rank_file(self.env.rank if same_world else 0), files)
             if fmt != "torch":
@@ -185,7 +186,7 @@ class Checkpointer:
             from hpctrain.parallel.deepspeed import load_engine
 
             agree(f"loading DeepSpeed's state of {path}", lambda: load_engine(self.engine, path / DEEPSPEED_DIR))
-        elif "model" in replicated and _holds_shards(self.parts.model):  # e.g. a DDP checkpoint resumed under FSDP
+        elif "model" in replicated and is_sharded(self.parts.model):  # e.g. a DDP checkpoint resumed under FSDP
             replicated = agree(f"loading the whole state of {path} into this rank's shards",
                                lambda: _whole_into_shards(self.parts, replicated, path))
         self.best = agree(f"restoring checkpoint {path}", lambda: restore(
@@ -321,13 +322,6 @@ class Checkpointer:
 
     def _distributed(self) -> bool:
         return self.env.distributed and dist.is_initialized()
-
-
-def _holds_shards(model: Any) -> bool:
-    """Are this rank's parameters shards (FSDP, tensor parallel: DTensors)?"""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(param, DTensor) for param in model.parameters())
 
 
 def _whole_into_shards(parts: Any, replicated: dict[str, Any], source: Path) -> dict[str, Any]:

@@ -139,16 +139,9 @@ class _TensorRef:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()  # backward hooks: none
-        args = (self.storage, 0, self.shape, _contiguous_strides(self.shape), False, hooks)
+        strides = torch.empty(self.shape, device="meta").stride()  # contiguous, as torch.save writes them
+        args = (self.storage, 0, self.shape, strides, False, hooks)
         return torch._utils._rebuild_tensor_v2, args
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 class _Pickler(pickle.Pickler):

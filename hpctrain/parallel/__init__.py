@@ -119,6 +119,17 @@ def build_pipeline_step(model: nn.Module, env: ClusterEnv, cfg: ParallelConfig, 
                           grad_accum=grad_accum, wrap=wrap)
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Does this rank hold shards (FSDP, tensor parallel) rather than whole parameters? (FSDP's
+    parameters are whole between a forward and its backward: ZeRO-2 after an eval forward.)"""
+    from torch.distributed.tensor import DTensor
+
+    from hpctrain.parallel.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(param, DTensor) for param in model.parameters())
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DDP / torch.compile wrappers (for saving and evaluation)."""
     while True:

@@ -64,10 +64,10 @@ def forward_flops(model: nn.Module, *inputs: Any) -> int:
 
 
 def _sharded(model: nn.Module) -> bool:
-    """Parameters that are DTensors (FSDP2, tensor parallel): only the meta count is safe."""
-    from torch.distributed.tensor import DTensor
+    """Shards on this rank (FSDP2, tensor parallel): only the meta count is safe."""
+    from hpctrain.parallel import is_sharded
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return is_sharded(model)
 
 
 def train_step_flops(model: nn.Module, *inputs: Any, grad_accum: int = 1) -> int:
