@@ -64,7 +64,7 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
         metric.reset()
     predictions: list[dict[str, Any]] = []
     try:
-        for batch in _lockstep(loader, env, device):
+        for batch in lockstep(loader, env, device):
             out = task.eval_step(net, batch.to(device), precision)
             if out is None:
                 continue
@@ -79,7 +79,7 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
     return EvalResult(merged, time.perf_counter() - start, gathered)
 
 
-def _lockstep(loader: EvalBatches, env: ClusterEnv, device: torch.device) -> Iterator[Batch]:
+def lockstep(loader: EvalBatches, env: ClusterEnv, device: torch.device) -> Iterator[Batch]:
     """The loader's batches, then masked padding batches up to the largest count of any rank
     (of the whole world: the tp ranks and stages of a replica step together with the others)."""
     local = len(loader)

@@ -15,7 +15,7 @@ gather their parameters over dp in every forward), the short ones on masked batc
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,8 +24,8 @@ from torch import nn
 
 from hpctrain.data import EvalBatches
 from hpctrain.data.sources import Batch
-from hpctrain.env import ClusterEnv, collective_device
-from hpctrain.evaluate import EvalResult
+from hpctrain.env import ClusterEnv
+from hpctrain.evaluate import EvalResult, lockstep
 from hpctrain.metrics import Metric
 from hpctrain.parallel.pipeline import PipelineStep
 from hpctrain.precision import Precision
@@ -80,8 +80,8 @@ def evaluate_pipeline(step: PipelineStep, loader: EvalBatches, metrics: Sequence
     for metric in metrics:
         metric.reset()
     try:
-        for batch in _lockstep(loader, env, size):
-            batch = batch.to(device)
+        for batch in lockstep(loader, env, device):  # every replica runs as many batches as the longest
+            batch = pad_batch(batch, size).to(device)  # one shape for the schedule's buffers
             inputs, targets = task.split(batch)
             with precision.autocast() if precision else torch.autocast("cpu", enabled=False):
                 logits = step.forward_only(inputs, targets)
@@ -94,21 +94,6 @@ def evaluate_pipeline(step: PipelineStep, loader: EvalBatches, metrics: Sequence
         for module, mode in zip(step.modules, was_training):
             module.train(mode)
     return EvalResult(_merge(metrics, env), time.perf_counter() - start)
-
-
-def _lockstep(loader: EvalBatches, env: ClusterEnv, size: int) -> Iterator[Batch]:
-    """This replica's batches padded to ``size``, then fully masked ones up to the most any rank has."""
-    steps = torch.tensor([len(loader)], dtype=torch.int64, device=collective_device())
-    if env.distributed:
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    template: Batch | None = None
-    for batch in loader:
-        template = batch
-        yield pad_batch(batch, size)
-    like = template if template is not None else loader.template()
-    empty = Batch(like.inputs[:0], like.targets[:0], like.keys[:0], None)
-    for _ in range(int(steps.item()) - len(loader)):
-        yield pad_batch(empty, size)
 
 
 def _merge(metrics: Sequence[Metric], env: ClusterEnv) -> dict[str, Any]:
