@@ -11,7 +11,7 @@ Loss convention: a model may return logits or log-probabilities (``log_softmax``
 the PyTorch MNIST example). Both train identically under ``F.cross_entropy``: it applies
 ``log_softmax`` first, which leaves log-probabilities unchanged (their logsumexp is 0),
 so the loss equals ``nll_loss``; and its extra gradient term lies in the null space of
-``log_softmax``'s Jacobian, so the gradients equal too (tests/test_models.py checks both
+``log_softmax``'s Jacobian, so the gradients equal too (tests/models/test_models.py checks both
 numerically). Probabilities (a final ``softmax``) are not log-probabilities: a warning says so.
 """
 

@@ -77,7 +77,7 @@ def ds_config(*, stage: int, micro_batch: int, grad_accum: int = 1, clip_grad_no
         "zero_optimization": {"stage": stage},
         # hpctrain hands ZeRO the configured torch optimizer (SGD or AdamW); DeepSpeed's "tested"
         # list names its own, but ZeRO only partitions the param groups and steps the optimizer
-        # on them (tests/test_train_deepspeed.py: SGD with momentum under ZeRO-3 = one process)
+        # on them (tests/train/test_deepspeed.py: SGD with momentum under ZeRO-3 = one process)
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": clip_grad_norm,
         "steps_per_print": 2**31 - 1,  # hpctrain logs; DeepSpeed stays quiet

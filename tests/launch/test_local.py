@@ -23,7 +23,7 @@ from hpctrain.launch.local import signals_to_handle, torchrun_accepts, torchrun_
 from tests.ckpt_models import SLOW_RUN_ARGS
 from tests.dist_utils import finish_launch, launch_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARGS = SLOW_RUN_ARGS
 TIMEOUT = 120
 _env = launch_env

@@ -25,9 +25,9 @@ from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.rundir import params_sha256
 from hpctrain.train import train
 from tests.gpt_runs import step_losses
-from tests.test_export_stream import corpus_shards
+from tests.checkpoint.test_export_stream import corpus_shards
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOL, COMPILED_TOL = 1e-5, 1e-4
 BASE = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=16",
         "data.name=shards", "data.batch_size=4", "data.global_batch_size=8", "data.max_val_samples=8",

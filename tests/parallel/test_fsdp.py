@@ -75,7 +75,7 @@ def _check_estimate(measured: dict, strategy: str) -> None:
     """`hpctrain estimate`'s per-rank prediction (fp32 AdamW: 4 + 4 + 8 bytes per parameter,
     divided as the strategy divides them) agrees with what the rank really holds, within 15%
     for each of parameters, gradients and optimizer state (issue 11's check against a real
-    DDP / FSDP run; activations are compared on a GPU in tests/test_estimate.py)."""
+    DDP / FSDP run; activations are compared on a GPU in tests/estimate/test_estimate.py)."""
     from hpctrain.estimate.memory import predict_rank_bytes
 
     predicted = predict_rank_bytes(MODELS["toy"](4), strategy, 2, precision="fp32")

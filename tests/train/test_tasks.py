@@ -22,7 +22,7 @@ from hpctrain.metrics import EvalOutput
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.tasks import CausalLM, Classification, Task, TokenMetrics, build_task
 from tests.dist_utils import run_ranks
-from tests.test_data_text import SDIST, needs_sdist
+from tests.data.test_text import SDIST, needs_sdist
 
 CPU = torch.device("cpu")
 TINY = GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4)

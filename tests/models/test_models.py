@@ -21,7 +21,7 @@ def test_simple_cnn_has_exactly_the_workshop_parameter_count():
 
 
 @pytest.mark.parametrize("name", sorted(n for n, s in REGISTRY.items() if s.input_dtype == torch.float32))
-def test_registered_models_run_on_their_input_shape(name):  # token models (gpt): tests/test_gpt.py
+def test_registered_models_run_on_their_input_shape(name):  # token models (gpt): tests/models/tests/models/test_gpt.py
     model = build_model(name, num_classes=7, input_shape=REGISTRY[name].input_shape).eval()
     out = model(torch.zeros(2, *REGISTRY[name].input_shape))
     assert out.shape == (2, 7)

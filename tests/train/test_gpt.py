@@ -17,9 +17,9 @@ from hpctrain.cli import main as cli_main
 from hpctrain.config import load_config
 from hpctrain.errors import UserError
 from hpctrain.train import train
-from tests.test_data_text import needs_sdist
+from tests.data.test_text import needs_sdist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = needs_sdist
 GPT = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=32"]
 # no train.task, no train.best_metric: both are auto and follow the data

@@ -23,7 +23,7 @@ from hpctrain.data.loader import (
 )
 from hpctrain.env import ClusterEnv
 from tests.dist_utils import run_ranks
-from tests.test_data_shards import make_shards
+from tests.data.test_shards import make_shards
 
 SIZES = [7, 7, 7, 3, 11]  # 35 samples in shards that divide nothing evenly
 
@@ -332,7 +332,7 @@ def test_skipped_samples_reach_the_summary_and_eval_reads_shards(tmp_path):
     from hpctrain.data.shards import mnist_source, write_shards
     from hpctrain.eval_job import run_eval
     from hpctrain.train import train
-    from tests.test_data_shards import flip_byte
+    from tests.data.test_shards import flip_byte
 
     root = tmp_path / "shards"
     for split, n in (("train", 128), ("val", 50)):

@@ -21,11 +21,11 @@ import torch
 
 from hpctrain.checkpoint import layout
 from hpctrain.errors import EXIT_PREEMPTED
-from tests import test_preempt as preempt
+from tests.checkpoint import test_preempt as preempt
 from tests.gpt_runs import check_ok
-from tests.test_data_text import needs_sdist
+from tests.data.test_text import needs_sdist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # find_spec, not importorskip: importing DeepSpeed here would pick its accelerator in the test process
 pytestmark = [needs_sdist, pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                               reason="the deepspeed extra is not installed")]

@@ -24,7 +24,7 @@ from hpctrain.config import load_config
 from hpctrain.train import train
 from tests.dist_utils import free_port, launch_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 60
 BASE = ["model.name=tests.ckpt_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=128",
         "data.batch_size=16", "data.max_val_samples=32", "train.epochs=1", "train.progress=false",

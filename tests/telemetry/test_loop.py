@@ -18,7 +18,7 @@ from hpctrain.env import ClusterEnv
 from hpctrain.train import train
 from tests.dist_utils import launch_env, run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
         "data.batch_size=16", "train.progress=false", "train.log_every=4", "data.max_val_samples=32",
         "train.threads=1", "train.max_steps=8"]

@@ -15,7 +15,7 @@ from hpctrain.train import build_components, fit
 from tests.dist_utils import launch_env, run_ranks
 
 STEPS = 10
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(batch_size: int, grad_accum: int, extra: tuple[str, ...]):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 QUICK = ["data.max_train_samples=5000", "train.epochs=1", "train.progress=false"]
 

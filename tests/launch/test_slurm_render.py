@@ -2,7 +2,7 @@
 ``bash -n`` on each, the batch shell's trap/requeue rule run by bash itself, and the option
 checks that must fail before anything is written (issue 9, section 1).
 
-Regenerate the golden files after an intended change: ``HPCTRAIN_UPDATE_GOLDEN=1 pytest tests/test_launch_slurm.py``.
+Regenerate the golden files after an intended change: ``HPCTRAIN_UPDATE_GOLDEN=1 pytest tests/launch/test_slurm_render.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hpctrain.cli import main
 from hpctrain.launch import slurm
 from hpctrain.launch.slurm import SlurmOptions, plan_job, render
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 WORKDIR = Path("/work/project")  # never created: rendering only resolves paths
 ENVIRON = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0", "HOME": "/home/u"}
 CONFIG = ["data.name=synthetic_tiny", "model.name=mnist_cnn", "run.dir=runs/golden"]

@@ -27,7 +27,7 @@ from hpctrain.train import train
 from tests.dist_utils import ROOT, launch_env, run_ranks
 from tests.gpt_runs import assert_close, check_ok, read_summary, step_losses
 from tests.models import tiny_mlp
-from tests.test_data_text import needs_sdist
+from tests.data.test_text import needs_sdist
 
 TOL = 1e-5
 STEPS = 6

@@ -20,8 +20,8 @@ from hpctrain.train import train
 from tests.dist_utils import run_ranks
 from tests.gpt_runs import assert_close, check_ok, read_summary, step_losses
 from tests.sharding_models import MODELS, lm_loss, token_batches
-from tests.test_data_text import needs_sdist
-from tests.test_train_sharded import BASE, _run
+from tests.data.test_text import needs_sdist
+from tests.train.test_sharded import BASE, _run
 
 pytestmark = needs_sdist
 TOL = 1e-5

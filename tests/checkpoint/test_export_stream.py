@@ -40,7 +40,7 @@ from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.rundir import ParamsHash, param_names, params_sha256, save_model
 from tests.dist_utils import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = GPTShape(vocab=256, seq_len=16, n_layers=2, hidden=36, heads=4)  # 36: FSDP pads uneven shards
 
 

@@ -25,11 +25,11 @@ from hpctrain.parallel.deepspeed import DeepSpeedMissing
 from hpctrain.rundir import params_sha256
 from hpctrain.strategy import check_strategy
 from hpctrain.train import train
-from tests import test_preempt as preempt
+from tests.checkpoint import test_preempt as preempt
 from tests.gpt_runs import assert_close, check_ok, step_losses
-from tests.test_data_text import needs_sdist
+from tests.data.test_text import needs_sdist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = needs_sdist
 TOL = 1e-5
 # 16 samples a step: 4 per micro-batch, so 4 micro-steps at world 1, 2 at world 2, 1 at world 4
@@ -200,13 +200,13 @@ def test_strategies_not_in_the_loop_fail_before_start(shards: Path, tmp_path: Pa
     with pytest.raises(ConfigError, match=r"strategy=ddp with dp=2 x tp=1 x pp=2 is not supported"):
         check_strategy(untied, ClusterEnv(world_size=4, local_world_size=4))
     deepspeed = load_config(None, [*BASE, "parallel.strategy=deepspeed"])
-    check_strategy(deepspeed, two)  # checkpoints and lr schedules run under DeepSpeed now (test_train_deepspeed.py)
+    check_strategy(deepspeed, two)  # checkpoints and lr schedules run under DeepSpeed now (tests/train/test_deepspeed.py)
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: a UserError with the install hint
     with pytest.raises(DeepSpeedMissing, match=r"hint: pip install .*hpctrain\[deepspeed\]"):
         check_strategy(deepspeed, two)
     tensor = load_config(None, [*BASE, "model.name=resnet18", "parallel.strategy=fsdp", "parallel.tp=2"])
     with pytest.raises(ConfigError, match="parallel.tp=2 cannot split model.name=resnet18"):
-        check_strategy(tensor, two)  # tp runs in the loop now (tests/test_train_tp.py), on the gpt's blocks
+        check_strategy(tensor, two)  # tp runs in the loop now (tests/train/test_tp.py), on the gpt's blocks
     zero1 = load_config(None, [*BASE, "parallel.strategy=zero1", "checkpoint.format=dcp"])
     with pytest.raises(ConfigError, match="hint: checkpoint.format=torch"):
         check_strategy(zero1, two)

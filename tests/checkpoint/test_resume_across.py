@@ -16,9 +16,9 @@ import pytest
 from hpctrain.checkpoint import layout
 from hpctrain.config import load_config
 from hpctrain.train import train
-from tests.test_data_text import needs_sdist
+from tests.data.test_text import needs_sdist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = needs_sdist
 TOL = 1e-5
 # 16 samples a step: 4 per micro-batch, 4 micro-steps at world 1, 2 at world 2

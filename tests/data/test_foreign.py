@@ -20,7 +20,7 @@ from hpctrain.data.shards import ShardError, manifest_path
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import HpctrainError
 from tests.dist_utils import run_ranks
-from tests.test_data_shards import make_shards
+from tests.data.test_shards import make_shards
 
 LONG = "x" * 110  # a key longer than USTAR's 100-character name: the writer must use a PAX header
 
