@@ -53,7 +53,8 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "mnist-ddp": (2, []),
     "mnist-zero1": (2, ["parallel.strategy=zero1"]),
 }
-# resumed at another world size: the first run stops at step 3 (max_steps=3), the second goes on to 6
+# resumed at another world size: the first run stops at step 3 (max_steps=3), the second resumes its
+# checkpoint (resume=PATH) into a new run directory and goes on to step 6
 RESUMES: dict[str, tuple[int, int, list[str]]] = {
     "gpt-fsdp-resume-2to1": (2, 1, ["parallel.strategy=fsdp", "checkpoint.every_steps=3"]),
     "gpt-ddp-resume-2to4": (2, 4, ["parallel.strategy=ddp", "checkpoint.every_steps=3"]),
@@ -89,10 +90,10 @@ def run_case(src: Path, work: Path, name: str, shards: Path) -> dict[str, Any]:
     run = work / name
     if name in RESUMES:
         first, second, extra = RESUMES[name]
-        keys = [*_base(name, shards), *extra, f"run.dir={run}"]
-        proc = _train(src, first, [*keys, "train.max_steps=3"])
+        keys = [*_base(name, shards), *extra]
+        proc = _train(src, first, [*keys, "train.max_steps=3", f"run.dir={run}-first"])
         if proc.returncode == 0:
-            proc = _train(src, second, keys)
+            proc = _train(src, second, [*keys, f"run.dir={run}", f"resume={run}-first/checkpoints"])
     else:
         ranks, extra = CASES[name]
         proc = _train(src, ranks, [*_base(name, shards), *extra, f"run.dir={run}"])

@@ -7,7 +7,7 @@ Run under torchrun (3 ranks in docs/evaluation.md) with weights from any run:
 
 Rows: (1) the tutorial recipe: DistributedSampler on the test set, rank 0 prints its own
 shard's accuracy; (2) the same sampler with counts all-reduced (padding repeats counted
-twice); (3) hpctrain.evaluate; (4) one process over the whole set (the truth).
+twice); (3) hpctrain.evaluation.evaluate; (4) one process over the whole set (the truth).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from hpctrain import env as cluster
 from hpctrain.data.memory import EvalLoader
 from hpctrain.data.sources import load_dataset
-from hpctrain.eval_job import load_weights
-from hpctrain.evaluate import evaluate
-from hpctrain.metrics import Accuracy
+from hpctrain.evaluation.evaluate import evaluate
+from hpctrain.evaluation.job import load_weights
+from hpctrain.evaluation.metrics import Accuracy
 from hpctrain.models import build_model
 
 
@@ -65,7 +65,7 @@ def main() -> None:
         rows = [
             ("DistributedSampler, rank 0 prints its shard", correct, count),
             ("DistributedSampler, counts all-reduced", int(local[0]), int(local[1])),
-            (f"hpctrain.evaluate ({env.world_size} ranks)", exact["correct"], exact["count"]),
+            (f"hpctrain.evaluation.evaluate ({env.world_size} ranks)", exact["correct"], exact["count"]),
             ("single process (truth)", truth["correct"], truth["count"]),
         ]
         print(f"MNIST {args.split} set ({len(data)} samples), {env.world_size} ranks\n")

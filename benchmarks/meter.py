@@ -16,12 +16,14 @@ import torch
 
 from hpctrain.config import load_config
 from hpctrain.env import ClusterEnv
+from hpctrain.parallel.plan import plan_for
 from hpctrain.telemetry.loop import Telemetry
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, FORWARD, OPTIM, OTHER
 
 
 def per_step_us(calls: int) -> float:
-    tel = Telemetry.build(load_config(None, ["telemetry.peak_tflops=1"]), ClusterEnv(), torch.device("cpu"), 0)
+    cfg = load_config(None, ["telemetry.peak_tflops=1"])
+    tel = Telemetry.build(cfg.telemetry, ClusterEnv(), torch.device("cpu"), 0, batch=plan_for(cfg.parallel, ClusterEnv()))
     meter = tel.meter
     meter.counted = True
 

@@ -3,18 +3,50 @@
 The parts (drop them into your own loop) and the reference trainer built from them.
 """
 
-from hpctrain.config import Config, ConfigError, load_config
-from hpctrain.data.memory import EvalLoader
-from hpctrain.env import ClusterEnv, detect, init_distributed, teardown
-from hpctrain.evaluate import evaluate
-from hpctrain.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric
-from hpctrain.parallel import parallelize, unwrap
-from hpctrain.precision import Precision
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from hpctrain._version import __version__ as __version__
+
+if TYPE_CHECKING:  # the same names as _EXPORTS, for type checkers (tests/test_imports.py compares them)
+    from hpctrain.config import Config, ConfigError, load_config
+    from hpctrain.data.memory import EvalLoader
+    from hpctrain.env import ClusterEnv, detect, init_distributed, teardown
+    from hpctrain.evaluation.evaluate import evaluate
+    from hpctrain.evaluation.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric
+    from hpctrain.parallel import parallelize, unwrap
+    from hpctrain.precision import Precision
+
+# Each public name and the module it lives in, imported on first use (PEP 562): every
+# `hpctrain ...` command and every `import hpctrain.x` runs this file first, and most need
+# neither torch nor the parts below.
+_EXPORTS = {
+    **dict.fromkeys(("Config", "ConfigError", "load_config"), "hpctrain.config"),
+    "EvalLoader": "hpctrain.data.memory",
+    **dict.fromkeys(("ClusterEnv", "detect", "init_distributed", "teardown"), "hpctrain.env"),
+    "evaluate": "hpctrain.evaluation.evaluate",
+    **dict.fromkeys(("Accuracy", "ConfusionMatrix", "EvalOutput", "MeanLoss", "Metric"),
+                    "hpctrain.evaluation.metrics"),
+    **dict.fromkeys(("parallelize", "unwrap"), "hpctrain.parallel"),
+    "Precision": "hpctrain.precision",
+}
 
 __all__ = [
     "Accuracy", "ClusterEnv", "Config", "ConfigError", "ConfusionMatrix", "EvalLoader", "EvalOutput",
     "MeanLoss", "Metric", "Precision", "detect", "evaluate", "init_distributed", "load_config",
     "parallelize", "teardown", "unwrap",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")  # `hpctrain.data.X` after a bare `import hpctrain`
+    else:
+        raise AttributeError(f"module 'hpctrain' has no attribute {name!r}")
+    globals()[name] = value  # found directly from now on
+    return value

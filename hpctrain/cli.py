@@ -3,32 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hpctrain.bench import cli as bench_cli
-from hpctrain.checkpoint import cli as ckpt_cli
-from hpctrain.config import ConfigError, load_config, reference_markdown, to_yaml
-from hpctrain.data.cli import add_parser as add_data_parser
+from hpctrain.env import detect
 from hpctrain.errors import EXIT_RUN_FAILED, HpctrainError
-from hpctrain.estimate import cli as estimate_cli
-from hpctrain.launch import cli as launch_cli
-from hpctrain.telemetry import report as report_cli
+
+if TYPE_CHECKING:
+    from hpctrain.config import Config
+
+# Every subcommand in `hpctrain --help` order: the module whose add_parser(sub) registers it,
+# and its line in that list. Only the invoked command's module is imported (a module may
+# register several: launch.cli has run, slurm and doctor), so `hpctrain slurm --dry-run` or
+# `hpctrain --help` on a login node never pays for the torch import that `hpctrain bench`
+# needs. The lines must equal the modules' own help (tests/test_cli.py compares them).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": (__name__, "train a model (reference trainer)"),
+    "eval": (__name__, "evaluate saved weights on the validation split, exactly, at any world size"),
+    "run": ("hpctrain.launch.cli", "N local ranks via torchrun: hpctrain run -n 2 [train|eval] [CONFIG] [k=v]"),
+    "slurm": ("hpctrain.launch.cli", "write (and submit) an sbatch script; `slurm status|cancel RUN_DIR`"),
+    "doctor": ("hpctrain.launch.cli", "what a job sees on this node (or every node) and common mistakes"),
+    "config": (__name__, "show the resolved config, or the config reference"),
+    "models": (__name__, "list registered models with parameter counts"),
+    "ckpt": ("hpctrain.checkpoint.cli", "list, verify or export checkpoints"),
+    "data": ("hpctrain.data.cli", "pack data into tar shards (WebDataset layout), verify, inspect"),
+    "estimate": ("hpctrain.estimate.cli", "size a training run: FLOPs and time, memory per GPU by strategy, "
+                                          "checkpoint cost, Young-Daly interval"),
+    "report": ("hpctrain.telemetry.report", "summary table and plots of one or more runs (--html: one page)"),
+    "bench": ("hpctrain.bench.cli", "the workshop's benchmarks, one command each: table, JSON and PNG"),
+}
 
 
-def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """``[CONFIG] [key=value ...]``: the one argument without '=' is the YAML file."""
-    paths = [a for a in args if "=" not in a]
-    if len(paths) > 1:
-        raise ConfigError(f"expected at most one config file, got {paths}; overrides look like key=value")
-    return (paths[0] if paths else None), [a for a in args if "=" in a]
+def _config(args: argparse.Namespace) -> Config:
+    from hpctrain.config import config_from_args  # here: it loads every section's module, few commands need it
 
-
-def _config(args: argparse.Namespace):  # noqa: ANN202 - returns Config
-    path, overrides = _split_config_args(args.config_args)
-    return load_config(path, overrides)
+    return config_from_args(args.config_args)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -39,13 +52,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from hpctrain.eval_job import run_eval
+    from hpctrain.evaluation.job import run_eval
 
     run_eval(_config(args), Path(args.weights), Path(args.out) if args.out else None, args.predictions)
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from hpctrain.config import reference_markdown, to_yaml
+
     if args.action == "doc":
         sys.stdout.write(reference_markdown())
     else:
@@ -65,43 +80,58 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hpctrain", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("train", help="train a model (reference trainer)")
+def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value]")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="evaluate saved weights on the validation split, exactly, at any world size")
+
+def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value]")
     p.add_argument("--weights", required=True, help="model.pt of a run (or a state dict file)")
     p.add_argument("--out", help="directory for eval.json (default: next to the weights)")
     p.add_argument("--predictions", action="store_true", help="also write predictions.jsonl (keys, predictions)")
     p.set_defaults(func=cmd_eval)
 
-    launch_cli.add_parser(sub)  # run, slurm (status, cancel), doctor
 
-    p = sub.add_parser("config", help="show the resolved config, or the config reference")
+def _add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["show", "doc"])
     p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value]")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("models", help="list registered models with parameter counts")
+
+def _add_models(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_models)
 
-    ckpt_cli.add_parser(sub)
 
-    add_data_parser(sub)
-    estimate_cli.add_parser(sub)
-    report_cli.add_parser(sub)
-    bench_cli.add_parser(sub)
+_OWN = {"train": _add_train, "eval": _add_eval, "config": _add_config, "models": _add_models}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with ``command``'s arguments (importing its module only), every other command
+    listed by name and help; without a command, the list alone (``hpctrain --help``)."""
+    parser = argparse.ArgumentParser(prog="hpctrain", description=__doc__)
+    parser.set_defaults(parse_command=parse_args)  # launch.cli's `run` checks the ranks' command with it
+    sub = parser.add_subparsers(dest="command", required=True)
+    wanted = COMMANDS[command][0] if command in COMMANDS else None
+    for name, (module, line) in COMMANDS.items():
+        if name in sub.choices:
+            continue  # registered along with an earlier command of its module
+        if module == __name__:
+            _OWN[name](sub.add_parser(name, help=line))
+        elif module == wanted:
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=line)
     return parser
 
 
-def _setup_logging() -> None:
-    from hpctrain.env import detect
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``hpctrain ARGV``: a command comes first (the only option before it is -h)."""
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    return build_parser(command).parse_args(argv)
 
+
+def _setup_logging() -> None:
     try:
         is_main = detect().is_main
     except RuntimeError:
@@ -116,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     Every deliberate error is an :class:`HpctrainError`: one line naming the culprit, no
     traceback. Anything else is a bug (in hpctrain, or in user code it called): a first line
     that says so, then the traceback, because that is what a bug report needs."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         _setup_logging()  # inside: a malformed launcher variable is an input error too
         return int(args.func(args) or 0)

@@ -30,8 +30,8 @@ from hpctrain.telemetry.config import TelemetryConfig
 from hpctrain.train_config import RunConfig, TrainConfig
 
 __all__ = ["BatchPlan", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
-           "ParallelConfig", "RunConfig", "TrainConfig", "check_world", "for_world", "load_config",
-           "reference_markdown", "to_dict", "to_yaml"]
+           "ParallelConfig", "RunConfig", "TrainConfig", "check_world", "config_from_args", "for_world", "load_config",
+           "reference_markdown", "split_config_args", "to_dict", "to_yaml"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +63,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg: Config = _build(Config, raw, prefix="")
     _check_across_sections(cfg)
     return cfg
+
+
+def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG] [key=value ...]`` as every command takes them: the one argument without '='
+    is the YAML file, the others are overrides."""
+    paths = [a for a in args if "=" not in a]
+    if len(paths) > 1:
+        raise ConfigError(f"expected at most one config file, got {paths}; overrides look like key=value")
+    return (paths[0] if paths else None), [a for a in args if "=" in a]
+
+
+def config_from_args(args: list[str]) -> Config:
+    """The config of a command line's ``[CONFIG] [key=value ...]``."""
+    return load_config(*split_config_args(args))
 
 
 def _check_across_sections(cfg: Config) -> None:

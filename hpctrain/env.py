@@ -1,21 +1,31 @@
-"""Where am I running? One place turns torchrun / Slurm / plain-process variables into a
-:class:`ClusterEnv` value that every other module receives; nothing else reads RANK."""
+"""Where am I running? One place turns a running process group or torchrun / Slurm /
+plain-process variables into a :class:`ClusterEnv` value that every other module receives;
+nothing else reads RANK.
+
+torch is imported only by the functions that touch devices or the process group: every
+command calls :func:`detect` (``hpctrain slurm --dry-run`` on a login node too), and it
+needs none.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
-import torch.distributed as dist
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal
 
 from hpctrain.errors import UserError
 
-Source = Literal["single", "torchrun", "slurm"]
+if TYPE_CHECKING:
+    import torch
+
+# group: a process group was already running when detect() looked (Lightning Fabric,
+# Accelerate, a user's own init_process_group); its rank and size are the truth.
+Source = Literal["single", "torchrun", "slurm", "group"]
 
 
 class EnvError(UserError):
@@ -45,8 +55,12 @@ class ClusterEnv:
 
 
 def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv:
-    """torchrun wins over Slurm (srun + torchrun sets both); else srun tasks; else one process."""
+    """A running process group wins (see :func:`_from_group`); then torchrun's variables
+    over Slurm's (srun + torchrun sets both); then srun tasks; else one process."""
     env = os.environ if environ is None else environ
+    group = _running_group()
+    if group is not None:
+        return _from_group(env, group.get_rank(), group.get_world_size())
     if "RANK" in env or "WORLD_SIZE" in env:
         return _from_torchrun(env)
     if "SLURM_PROCID" in env and _inside_srun_step(env):
@@ -81,6 +95,54 @@ def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
         source="torchrun", job_id=env.get("SLURM_JOB_ID"),
     )
+
+
+def _running_group() -> ModuleType | None:
+    """``torch.distributed`` when its default group is initialised, else None. Nothing can
+    have started a group without importing torch.distributed, so asking sys.modules keeps
+    detect() from importing torch for the commands that never use it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist
+
+
+def _from_group(env: Mapping[str, str], rank: int, world: int) -> ClusterEnv:
+    """A group someone else started: Lightning Fabric's launcher (it sets LOCAL_RANK, NODE_RANK
+    and WORLD_SIZE but no RANK), Accelerate, or ``mp.spawn`` + ``init_process_group(rank=...)``
+    with no variables at all. Rank and size come from the group; the per-host values from
+    :func:`_per_host`."""
+    local_rank, local_world, node_rank = _per_host(env, rank, world)
+    return ClusterEnv(
+        rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world, node_rank=node_rank,
+        num_nodes=world // local_world, master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(env, "MASTER_PORT", 29500), source="group", job_id=env.get("SLURM_JOB_ID"),
+    )
+
+
+def _per_host(env: Mapping[str, str], rank: int, world: int) -> tuple[int, int, int]:
+    """(local rank, ranks per host, node rank) of a running group: from the launcher's variables
+    where there are any (torchrun's, Fabric's NODE_RANK, else Slurm's inside an srun step), else
+    one host. Not counted through the group: that is a collective, and detect() stays a local
+    read that any rank may call alone. A group over several hosts started without such
+    variables must set LOCAL_RANK and LOCAL_WORLD_SIZE; the error says so where it can tell."""
+    srun = "SLURM_PROCID" in env and _inside_srun_step(env)
+    local_rank = _first_int(env, ("LOCAL_RANK", "SLURM_LOCALID") if srun else ("LOCAL_RANK",), rank)
+    local_world = _first_int(env, ("LOCAL_WORLD_SIZE",),
+                             _local_tasks(env, world, _int(env, "SLURM_NNODES", 1)) if srun else world)
+    _check_ranks(local_rank, local_world, "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    nodes = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") if srun else ("GROUP_RANK", "NODE_RANK")
+    node_rank = _first_int(env, nodes, rank // local_world)
+    if world % local_world or node_rank >= world // local_world:
+        raise EnvError(f"rank {rank} of the running process group ({world} ranks) is on node {node_rank}, but "
+                       f"{local_world} ranks per host do not make that many nodes; hint: set LOCAL_WORLD_SIZE "
+                       "(ranks per host) and LOCAL_RANK when a group spans several hosts")
+    return local_rank, local_world, node_rank
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    """The first of ``names`` that is set, as an int; ``default`` when none is."""
+    return next((_int(env, name) for name in names if name in env), default)
 
 
 def _inside_srun_step(env: Mapping[str, str]) -> bool:
@@ -172,6 +234,8 @@ def _expand_ranges(ranges: str, item: str) -> list[str]:
 
 
 def pick_device(env: ClusterEnv) -> torch.device:
+    import torch
+
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         return torch.device("cuda", env.local_rank % count)
@@ -186,12 +250,34 @@ def pick_backend(device: torch.device, requested: str = "auto") -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+@dataclass
+class _Groups:
+    """Which default process group is hpctrain's to end. torch keeps the group per process, so
+    this record is per process too: a group that :func:`init_distributed` found running and
+    did not start (Fabric's, Accelerate's, the user's own) belongs to whoever started it, and
+    :func:`teardown` leaves it to them, while every caller keeps its plain ``teardown()``."""
+
+    started: object | None = None  # the group init_distributed created
+    found: object | None = None  # one it found running and did not create
+
+
+_groups = _Groups()
+
+
 def init_distributed(env: ClusterEnv, backend: str = "auto", timeout_s: float = 600.0) -> torch.device:
-    """Pick the device, and start the process group if there is more than one rank."""
+    """Pick the device, and start the process group if there is more than one rank and no group
+    is running yet. A running group is used as it is, never started twice."""
+    import torch
+    import torch.distributed as dist
+
     device = pick_device(env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not env.distributed or dist.is_initialized():
+    if dist.is_initialized():
+        if dist.group.WORLD is not _groups.started:
+            _groups.found = dist.group.WORLD
+        return device
+    if not env.distributed:
         return device
     chosen = pick_backend(device, backend)
     check_gpus_per_node(env.local_world_size, torch.cuda.device_count(), chosen)
@@ -203,6 +289,7 @@ def init_distributed(env: ClusterEnv, backend: str = "auto", timeout_s: float = 
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    _groups.started = dist.group.WORLD
     return device
 
 
@@ -222,11 +309,19 @@ def _bracket(addr: str) -> str:
 
 def collective_device() -> torch.device:
     """Where tensors for a collective must live: the current GPU under NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def teardown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """End the process group unless :func:`init_distributed` found it running: one started by
+    Lightning Fabric, Accelerate or the user is theirs to end."""
+    dist = _running_group()
+    if dist is None or dist.group.WORLD is _groups.found:
+        return
+    dist.destroy_process_group()
+    _groups.started = None

@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch.distributed as dist
-
 EXIT_OK = 0
 EXIT_RUN_FAILED = 1
 EXIT_USER_ERROR = 2
@@ -60,6 +58,8 @@ def agree(phase: str, fn: Callable[[], T]) -> T:
     own error; the others raise :class:`PeerError` with the same message and exit code.
     Without a process group it is just ``fn()``.
     """
+    import torch.distributed as dist  # here: every module imports this one, few of them need torch
+
     if not (dist.is_available() and dist.is_initialized()):
         return fn()
     error: BaseException | None = None

@@ -17,11 +17,16 @@ class Precision:
     ``precision.step(optimizer)``. fp16 uses a GradScaler so small gradients do not
     underflow; bf16 has fp32's range and needs none."""
 
-    def __init__(self, mode: str, device: torch.device) -> None:
+    def __init__(self, mode: str, device: torch.device,
+                 scaler: torch.amp.GradScaler | None | Literal["default"] = "default") -> None:
+        """``scaler``: the fp16 loss scaler a strategy needs (a ShardedGradScaler where ranks hold
+        shards), None for none; by default torch's GradScaler under fp16."""
         if mode not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision={mode!r} is not one of fp32, bf16, fp16")
         self.mode, self.device = mode, device
-        self.scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
+        if scaler == "default":
+            scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
+        self.scaler = scaler
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.mode == "fp32":

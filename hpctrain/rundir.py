@@ -15,12 +15,13 @@ import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
-
-import torch
-from torch import nn
+from typing import IO, TYPE_CHECKING, Any
 
 from hpctrain.errors import RunError, UserError, agree
+
+if TYPE_CHECKING:  # only the hashing helpers touch tensors; `hpctrain slurm` writes its script here without torch
+    import torch
+    from torch import nn
 
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
@@ -135,15 +136,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def save_model(model: nn.Module | dict[str, torch.Tensor], path: Path) -> None:
-    """The model's state dict (or a whole one) as one consolidated file (``.pt`` or ``.safetensors``),
-    written tensor by tensor (hpctrain.checkpoint.export)."""
-    from hpctrain.checkpoint.export import dict_source, write_stream
-
-    state = model.state_dict() if isinstance(model, nn.Module) else model
-    write_stream(path, dict_source(state))
-
-
 # Wrappers that insert a module level: activation checkpointing, torch.compile (their state
 # dicts drop it; named_parameters keeps it).
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -178,6 +170,8 @@ class ParamsHash:
             return
         if self._done >= len(self._names) or self._names[self._done] != name:
             raise RunError(f"params_sha256: parameter {name!r} came out of sorted-name order")
+        import torch  # loaded already: the caller holds a tensor
+
         self._done += 1
         self._digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 

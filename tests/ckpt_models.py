@@ -4,6 +4,9 @@ Dropout makes the RNG part of the state: a resume that forgets it diverges."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from torch import nn
 
 
@@ -29,20 +32,37 @@ def slow_mlp(num_classes: int = 10) -> nn.Module:
     return _Slow(tiny_mlp(num_classes), 0.02)
 
 
-def make_parts(seed: int = 0, step: int = 1):  # type: ignore[no-untyped-def]
-    """Trainer parts of a tiny model with optimizer state, for Checkpointer tests without a run."""
+@dataclass
+class Parts:
+    """A tiny model, its optimizer and the rest a checkpoint holds, for Checkpointer tests without a run."""
+
+    model: nn.Module
+    optimizer: Any
+    counters: Any
+    loader: Any
+    precision: Any
+
+    def state(self) -> dict[str, Any]:
+        """The Checkpointer's mapping of Stateful objects."""
+        from hpctrain.parallel.state import WholeState
+
+        return {"model": WholeState(self.model, self.optimizer), "scheduler": None, "scaler": self.precision,
+                "counters": self.counters, "loader": self.loader}
+
+
+def make_parts(seed: int = 0, step: int = 1) -> Parts:
+    """A tiny model with optimizer state, at ``step``."""
     import torch
 
     from hpctrain.precision import Precision
-    from hpctrain.train import Components, Counters
+    from hpctrain.train import Counters
 
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 8)).sum().backward()
     optimizer.step()  # optimizer state exists
-    return Components(model, optimizer, None, Precision("fp32", torch.device("cpu")), StaticLoader(), None, [],
-                      Counters(step=step))
+    return Parts(model, optimizer, Counters(step=step), StaticLoader(), Precision("fp32", torch.device("cpu")))
 
 
 class StaticLoader:

@@ -237,7 +237,7 @@ def train_deepspeed(env, stage: int, steps: int = 10, layers: int = 4, lr: float
     """The toy GPT through DeepSpeed ZeRO ``stage``: global losses and whole step-0 gradients."""
     import torch.distributed as dist
 
-    from hpctrain.parallel.deepspeed import DeepSpeedStep, init_deepspeed
+    from hpctrain.parallel.deepspeed import init_deepspeed
 
     torch.manual_seed(0)
     model = toy_gpt(layers)
@@ -245,17 +245,15 @@ def train_deepspeed(env, stage: int, steps: int = 10, layers: int = 4, lr: float
     per_rank = GLOBAL_BATCH // env.world_size
     engine = init_deepspeed(model, torch.optim.AdamW(model.parameters(), lr=lr), env=env, stage=stage,
                             micro_batch=per_rank)
-    step_fn, losses, grads0 = DeepSpeedStep(engine, lm_loss), [], {}
+    losses, grads0 = [], {}
     rank = dist.get_rank()
     for step, (inputs, targets) in enumerate(token_batches(steps, GLOBAL_BATCH)):
         part = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = lm_loss(engine(inputs[part]), targets[part])
+        engine.backward(loss)
         if step == 0:  # gradients are visible between backward and step only
-            loss = lm_loss(engine(inputs[part]), targets[part])
-            engine.backward(loss)
             grads0 = _deepspeed_grads(engine, names)
-            engine.step()
-        else:
-            loss = step_fn(inputs[part], targets[part])
+        engine.step()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(float(global_loss) / env.world_size)

@@ -18,12 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain.data.shards import manifest_path, open_source, write_shards
+from hpctrain.data.manifest import manifest_path
+from hpctrain.data.sources import open_source
+from hpctrain.data.writer import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["data.name=synthetic_tiny", "data.synthetic_size=64", "model.name=tests.models:tiny_mlp",
+TINY = ["data.name=synthetic_tiny", "data.synthetic_size=64", "model.name=tests.user_models:tiny_mlp",
         "train.progress=false"]
-SHARDS = ["data.name=shards", "data.path={ws}/shards", "model.name=tests.models:tiny_mlp", "train.max_steps=1",
+SHARDS = ["data.name=shards", "data.path={ws}/shards", "model.name=tests.user_models:tiny_mlp", "train.max_steps=1",
           "train.progress=false", "data.stage_dir=off"]
 
 
@@ -68,11 +70,11 @@ CASES = [
     Case("data-verify-missing-dir", ["data", "verify", "{ws}/nowhere"], 2, "nowhere"),
     Case("data-shard-missing-source", ["data", "shard", "npz:{ws}/nowhere.npz", "{ws}/out"], 2, "nowhere.npz"),
     # ---- model
-    Case("model-factory-raises", ["train", *TINY, "model.name=tests.models:raises", "run.dir={run}"], 2,
-         "tests.models:raises"),
-    Case("model-not-a-module", ["train", *TINY, "model.name=tests.models:not_a_module", "run.dir={run}"], 2,
+    Case("model-factory-raises", ["train", *TINY, "model.name=tests.user_models:raises", "run.dir={run}"], 2,
+         "tests.user_models:raises"),
+    Case("model-not-a-module", ["train", *TINY, "model.name=tests.user_models:not_a_module", "run.dir={run}"], 2,
          "model.name"),
-    Case("model-wrong-output-shape", ["train", *TINY, "model.name=tests.models:three_classes", "run.dir={run}"],
+    Case("model-wrong-output-shape", ["train", *TINY, "model.name=tests.user_models:three_classes", "run.dir={run}"],
          2, "model.name"),
     Case("model-wrong-input-shape", ["train", *TINY, "data.name=synthetic_cifar", "run.dir={run}"], 2,
          "model.name"),
@@ -80,7 +82,7 @@ CASES = [
          "no_such_pkg"),
     # ---- checkpoint
     Case("resume-path-missing", ["train", *TINY, "resume={ws}/nowhere", "run.dir={run}"], 2, "nowhere"),
-    Case("resume-other-model", ["train", *TINY, "model.name=tests.models:TinyNet", "resume={ws}/done/checkpoints",
+    Case("resume-other-model", ["train", *TINY, "model.name=tests.user_models:TinyNet", "resume={ws}/done/checkpoints",
                                 "run.dir={run}"], 2, "checkpoints"),
     Case("ckpt-verify-not-a-checkpoint", ["ckpt", "verify", "{ws}/garbage.yaml"], 2, "garbage.yaml"),
     Case("resume-path-is-a-file", ["train", *TINY, "resume={ws}/garbage.yaml", "run.dir={run}"], 2, "garbage.yaml"),
@@ -93,7 +95,7 @@ CASES = [
     Case("eval-weights-a-directory", ["eval", *TINY, "--weights", "{ws}/empty"], 2, "empty"),
     Case("eval-out-is-a-file", ["eval", *TINY, "--weights", "{ws}/done/model.pt", "--out", "{ws}/list.pt"], 2,
          "list.pt"),
-    Case("eval-weights-other-model", ["eval", *TINY, "model.name=tests.models:TinyNet", "--weights",
+    Case("eval-weights-other-model", ["eval", *TINY, "model.name=tests.user_models:TinyNet", "--weights",
                                       "{ws}/done/model.pt"], 2, "model.pt"),
 ]
 

@@ -32,7 +32,7 @@ def test_models_lists_parameter_counts(capsys):
     (["train", "optim.lr=x"], "optim.lr"),
     (["train", "a.yaml", "b.yaml"], "at most one config file"),
     (["eval", "--weights", "/nonexistent/model.pt", "data.name=synthetic_tiny",
-      "model.name=tests.models:tiny_mlp"], "does not exist"),
+      "model.name=tests.user_models:tiny_mlp"], "does not exist"),
     (["run", "-n", "2", "train", "data.batchsize=3"], "valid keys"),
 ])
 def test_errors_exit_2_with_a_message(argv, message, capsys):
@@ -83,3 +83,18 @@ def test_a_malformed_launcher_variable_is_an_input_error(monkeypatch, capsys):
 def test_models_explains_user_models(capsys):
     assert main(["models"]) == 0
     assert "package.module:NAME" in capsys.readouterr().out
+
+
+def test_the_command_list_is_what_each_command_module_registers():
+    """`hpctrain --help` lists the commands from cli.COMMANDS without importing their modules
+    (torch would come with some); each line must be the help its own module gives."""
+    import argparse
+
+    import hpctrain.cli as cli
+
+    for name, (_, line) in cli.COMMANDS.items():
+        parser = cli.build_parser(name)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        assert {a.dest: a.help for a in sub._choices_actions}[name] == line
+        real = sub.choices[name]  # not the listing's stub: that has -h alone and no defaults
+        assert real._defaults or len(real._actions) > 1

@@ -1,6 +1,15 @@
-import pytest
+import os
+import subprocess
+import sys
 
-from hpctrain.env import ClusterEnv, EnvError, detect, expand_nodelist, port_from_job_id
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hpctrain import env as env_module
+from hpctrain.env import ClusterEnv, EnvError, detect, expand_nodelist, init_distributed, port_from_job_id, teardown
+from tests.dist_utils import free_port
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
@@ -89,3 +98,95 @@ def test_nccl_needs_one_gpu_per_local_rank() -> None:
     check_gpus_per_node(4, 1, "gloo")  # gloo may share a GPU
     with pytest.raises(EnvError, match="2 ranks on this node but 1 GPU"):
         check_gpus_per_node(2, 1, "nccl")
+
+
+# ---------------------------------------------------------------- a group someone else started
+
+
+class _Group:
+    """What detect() asks of a running default group: its rank and size."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def get_rank(self) -> int:
+        return self.rank
+
+    def get_world_size(self) -> int:
+        return self.world
+
+
+@pytest.fixture
+def running_group(monkeypatch):
+    """Pretend a process group of (rank, world) is running."""
+    def start(rank: int, world: int) -> None:
+        monkeypatch.setattr(env_module, "_running_group", lambda: _Group(rank, world))
+    return start
+
+
+def test_fabric_launcher_without_rank_reads_the_group(running_group):
+    """Lightning Fabric's launcher sets LOCAL_RANK, NODE_RANK and WORLD_SIZE, never RANK."""
+    running_group(1, 2)
+    env = detect({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "7"})
+    assert env == ClusterEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+                             master_addr="h", master_port=7, source="group")
+
+
+def test_a_group_wins_over_launcher_variables_and_takes_per_host_values_from_them(running_group):
+    running_group(5, 8)
+    env = detect({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.num_nodes) == \
+        (5, 8, 1, 4, 1, 2)
+    assert env.source == "group"
+
+
+def test_a_group_inside_srun_takes_per_host_values_from_slurm(running_group):
+    running_group(5, 8)
+    env = detect(slurm_vars())
+    assert (env.local_rank, env.local_world_size, env.node_rank, env.num_nodes, env.job_id) == (1, 4, 1, 2, "4242")
+
+
+def test_a_group_without_variables_is_one_host(running_group):
+    running_group(3, 4)
+    env = detect({})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (3, 3, 4, 4, 0)
+
+
+def test_a_group_on_several_hosts_without_ranks_per_host_says_what_to_set(running_group):
+    running_group(2, 4)
+    with pytest.raises(EnvError, match="LOCAL_WORLD_SIZE"):
+        detect({"LOCAL_RANK": "0", "NODE_RANK": "1"})
+
+
+def test_detect_imports_no_torch():
+    """Every command calls detect(): a login node's `hpctrain slurm` must not pay for torch."""
+    code = "import sys; from hpctrain.env import detect; detect(); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _user_group_rank(rank: int, world: int, ports: tuple[int, int], queue) -> None:
+    """What mp.spawn users write: MASTER_ADDR/PORT, an explicit rank, no RANK or WORLD_SIZE."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    env = detect()
+    init_distributed(env, "gloo")  # uses the running group: a second init would raise
+    teardown()  # not hpctrain's group: it keeps running
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    ours = ClusterEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                      master_addr="127.0.0.1", master_port=ports[1], source="slurm")
+    init_distributed(ours, "gloo")
+    teardown()  # hpctrain's own group: ended
+    queue.put((rank, env, total.item(), dist.is_initialized()))
+
+
+def test_detect_and_teardown_respect_a_group_the_user_started():
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_user_group_rank, args=(2, (free_port(), free_port()), queue), nprocs=2, join=True)
+    results = {r: rest for r, *rest in (queue.get() for _ in range(2))}
+    for rank, (env, total, still_running) in results.items():
+        assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (rank, 2, rank, 2)
+        assert env.source == "group"
+        assert total == 2.0 and not still_running

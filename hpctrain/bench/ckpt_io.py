@@ -10,6 +10,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,15 +18,16 @@ import torch
 from torch import nn
 
 from hpctrain.bench.pagecache import evict
-from hpctrain.checkpoint import layout
-from hpctrain.checkpoint.checkpointer import Checkpointer, live_tensors, load_replicated
+from hpctrain.checkpoint import layout, tensorfile
+from hpctrain.checkpoint.checkpointer import Checkpointer, load_replicated
 from hpctrain.checkpoint.state import REPLICATED_TENSORS, snapshot
 from hpctrain.checkpoint.writer import CheckpointWriter
 from hpctrain.config import load_config, to_dict
 from hpctrain.data import TrainLoader
 from hpctrain.env import ClusterEnv
+from hpctrain.parallel.state import WholeState
 from hpctrain.precision import Precision
-from hpctrain.train import Components, Counters
+from hpctrain.train import Counters
 
 CPU = torch.device("cpu")
 CFG = to_dict(load_config(None, ["checkpoint.every_seconds=None"]))  # the config saved with the state
@@ -39,17 +41,30 @@ class _Loader:
         pass
 
 
-def build_parts(gb: float, width: int = 4096) -> Components:
+@dataclass
+class Parts:
+    """What the benchmark checkpoints: a model, its optimizer, counters and a loader's position."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    counters: Counters = field(default_factory=Counters)
+    loader: TrainLoader = field(default_factory=lambda: cast(TrainLoader, _Loader()))
+
+    def state(self) -> dict[str, Any]:
+        """The Checkpointer's mapping of Stateful objects."""
+        return {"model": WholeState(self.model, self.optimizer), "scheduler": None,
+                "scaler": Precision("fp32", CPU), "counters": self.counters, "loader": self.loader}
+
+
+def build_parts(gb: float, width: int = 4096) -> Parts:
     """Linear layers of ``width`` x ``width`` fp32 (64 MiB each at 4096) adding up to ``gb`` GB;
     SGD without momentum, so the model is the whole state."""
     layers = max(1, round(gb * 1e9 / (width * width * 4)))
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = cast(TrainLoader, _Loader())  # stands in for the loader: only its state is saved
-    return Components(model, optimizer, None, Precision("fp32", CPU), loader, None, [], Counters())
+    return Parts(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def state_bytes(parts: Components) -> int:
+def state_bytes(parts: Parts) -> int:
     return sum(p.numel() * p.element_size() for p in parts.model.parameters())
 
 
@@ -70,12 +85,12 @@ def dd_read(path: Path) -> float:
     return time.perf_counter() - start
 
 
-def timed_saves(writer: CheckpointWriter, parts: Components, steps: list[int]) -> list[float]:
+def timed_saves(writer: CheckpointWriter, parts: Parts, steps: list[int]) -> list[float]:
     times = []
     for step in steps:
         parts.counters.step = step
         start = time.perf_counter()
-        writer.save(snapshot(parts, ClusterEnv(), CPU, CFG, {}, "torch"), blocking=True)
+        writer.save(snapshot(parts.state(), ClusterEnv(), CFG, {}, "torch"), blocking=True)
         times.append(time.perf_counter() - start)
     return times
 
@@ -112,21 +127,21 @@ def dcp_load(model: nn.Module, path: Path) -> None:
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
 
 
-def one_pass_load(parts: Components, ckpt: Path) -> None:
+def one_pass_load(parts: Parts, ckpt: Path) -> None:
     """What resume does: every file read once and checked against the manifest while read."""
     files = layout.read_manifest(ckpt)["files"]
-    state = load_replicated(ckpt, live_tensors(parts), files)
+    state = load_replicated(ckpt, _live(parts), files)
     parts.model.load_state_dict(state["model"])
 
 
-def two_pass_load(parts: Components, ckpt: Path) -> None:
+def two_pass_load(parts: Parts, ckpt: Path) -> None:
     """The earlier resume: hash every file, then read them again into the model."""
     assert layout.verify(ckpt) == []
-    state = load_replicated(ckpt, live_tensors(parts))
+    state = load_replicated(ckpt, _live(parts))
     parts.model.load_state_dict(state["model"])
 
 
-def bench_io(scratch: Path, parts: Components, repeats: int) -> dict[str, list[float]]:
+def bench_io(scratch: Path, parts: Parts, repeats: int) -> dict[str, list[float]]:
     """Seconds per method, one sample per round; the methods alternate within each round so
     drift in a busy machine's load hits them alike."""
     model, nbytes = parts.model, state_bytes(parts)
@@ -159,13 +174,13 @@ def bench_io(scratch: Path, parts: Components, repeats: int) -> dict[str, list[f
     return times
 
 
-def bench_resume(root: Path, parts: Components, repeats: int) -> float:
+def bench_resume(root: Path, parts: Parts, repeats: int) -> float:
     """Median of Checkpointer.resume("auto") end to end (pick, read + check, restore), cold cache."""
     cfg = load_config(None, ["checkpoint.every_seconds=None"])
     times = []
     for _ in range(repeats):
         evict(root)
-        ckpt = Checkpointer(cfg, ClusterEnv(), CPU, root.parent, parts)
+        ckpt = Checkpointer(root.parent, ClusterEnv(), CPU, cfg.checkpoint, parts.state())
         start = time.perf_counter()
         assert ckpt.resume("auto")
         times.append(time.perf_counter() - start)
@@ -174,7 +189,7 @@ def bench_resume(root: Path, parts: Components, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_async(root: Path, parts: Components, repeats: int, step_s: float) -> tuple[float, float, float]:
+def bench_async(root: Path, parts: Parts, repeats: int, step_s: float) -> tuple[float, float, float]:
     """The loop's stall per async save: the time in ``save()`` plus the time the next
     ``optimizer.step()`` waits for the writer thread's copy of the parameters (the
     Checkpointer's step pre-hook). One loop step = ``step_s`` of compute standing in for
@@ -200,7 +215,7 @@ def bench_async(root: Path, parts: Components, repeats: int, step_s: float) -> t
             if save_every and i % save_every == 0:
                 parts.counters.step = first + i
                 t = time.perf_counter()
-                writer.save(snapshot(parts, ClusterEnv(), CPU, CFG, {}, "torch"), defer=_mutable(parts))
+                writer.save(snapshot(parts.state(), ClusterEnv(), CFG, {}, "torch"), defer=_mutable(parts))
                 stalls.append(time.perf_counter() - t)
             for _ in range(reps):  # forward + backward stand-in
                 torch.mm(x, x)
@@ -221,10 +236,8 @@ def bench_async(root: Path, parts: Components, repeats: int, step_s: float) -> t
     return statistics.median(stalls), statistics.median(hook_waits), max(0.0, with_saves - base) / repeats
 
 
-def _mutable(parts: Components) -> set[int]:
-    from hpctrain.checkpoint.checkpointer import _updated_by_step
-
-    return _updated_by_step(parts)
+def _mutable(parts: Parts) -> set[int]:
+    return WholeState(parts.model, parts.optimizer).step_storages()
 
 
 def _time_step(fn: Any) -> float:
@@ -264,3 +277,8 @@ def run(scratch: Path, gb: float, repeats: int, step_s: float, width: int = 4096
     })
     return out
 
+
+
+def _live(parts: Parts) -> dict[str, torch.Tensor]:
+    """The model's live tensors under the replicated file's names: read straight into them."""
+    return tensorfile.split({"model": parts.model.state_dict()})[1]

@@ -17,13 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.checkpoint import Checkpointer
-from hpctrain.config import Config, load_config
-from hpctrain.data import build_data
+from hpctrain.config import Config, load_config, to_dict
 from hpctrain.data.memory import MemoryLoader
 from hpctrain.env import ClusterEnv
 from hpctrain.models import build_model
 from hpctrain.parallel import unwrap
-from hpctrain.train import build_components, fit, seed_everything
+from hpctrain.train import build_components, fit, load_data, seed_everything
 
 CPU = torch.device("cpu")
 
@@ -46,9 +45,9 @@ def run_hpctrain(cfg: Config, device: torch.device = CPU) -> tuple[float, torch.
     """The loop as `hpctrain train` runs it, per-step checkpoint/preemption hook included
     (its default hourly schedule does not fire in a run this short)."""
     env = ClusterEnv()
-    parts = build_components(cfg, env, device, build_data(cfg, env, device, with_val=False))
+    parts = build_components(cfg, env, device, load_data(cfg, env, device, with_val=False))
     with tempfile.TemporaryDirectory() as run_dir:
-        ckpt = Checkpointer(cfg, env, device, Path(run_dir), parts)
+        ckpt = Checkpointer(Path(run_dir), env, device, cfg.checkpoint, parts.checkpoint_state(), run_config=to_dict(cfg))
         seed_everything(cfg.seed)
         start = time.perf_counter()
         fit(cfg, env, device, parts, ckpt=ckpt)
@@ -60,7 +59,7 @@ def run_hpctrain(cfg: Config, device: torch.device = CPU) -> tuple[float, torch.
 
 
 def run_raw(cfg: Config, device: torch.device = CPU) -> tuple[float, torch.nn.Module]:
-    loader = build_data(cfg, ClusterEnv(), device, with_val=False).train_loader
+    loader = load_data(cfg, ClusterEnv(), device, with_val=False).train_loader
     if not isinstance(loader, MemoryLoader):
         raise ValueError(f"the hand-written loop indexes in-memory data; data.name={cfg.data.name} is not")
     data = loader.dataset

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.data.shards import open_source, write_shards
-from hpctrain.data.sources import synthetic
+from hpctrain.data.sources import open_source
+from hpctrain.data.synthetic import synthetic
+from hpctrain.data.writer import write_shards
 
 
 def image_shards(root: Path, shape: tuple[int, ...], sizes: dict[str, int], shards: int = 16) -> Path:

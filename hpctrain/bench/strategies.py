@@ -72,18 +72,14 @@ def refusal(overrides: list[str], ranks: int) -> str | None:
     """Why the installed ``hpctrain train`` would refuse these overrides at ``ranks`` ranks (its
     own checks, in the order it runs them before starting), or None: ``refused: ...`` or
     ``skipped: ...`` (DeepSpeed not installed)."""
-    from hpctrain.config import check_world, load_config
+    from hpctrain.config import load_config
     from hpctrain.env import ClusterEnv
-    from hpctrain.parallel.config import check_topology
     from hpctrain.parallel.deepspeed import DeepSpeedMissing
-    from hpctrain.strategy import check_strategy, data_env
+    from hpctrain.parallel.plan import make_plan
 
     env = ClusterEnv(world_size=ranks, local_world_size=ranks, source="torchrun")
     try:
-        cfg = load_config(None, [*BASE_OVERRIDES, *overrides])
-        check_strategy(cfg, env)
-        check_topology(cfg.parallel, ranks)
-        check_world(cfg, data_env(cfg, env).world_size)
+        make_plan(load_config(None, [*BASE_OVERRIDES, *overrides]), env)
     except DeepSpeedMissing as err:
         return f"skipped: {err}"
     except UserError as err:

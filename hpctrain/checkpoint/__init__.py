@@ -6,8 +6,24 @@ layout.py (commit protocol, manifest, retention), state.py (what is saved), writ
 trainer's handle), cli.py (``hpctrain ckpt list|verify|export``).
 """
 
-from hpctrain.checkpoint.checkpointer import Checkpointer
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from hpctrain.checkpoint.layout import CheckpointError
-from hpctrain.checkpoint.preempt import EXIT_PREEMPTED
+from hpctrain.errors import EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from hpctrain.checkpoint.checkpointer import Checkpointer
 
 __all__ = ["EXIT_PREEMPTED", "CheckpointError", "Checkpointer"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy (PEP 562): the config's checkpoint section and `hpctrain ckpt list` live in this
+    # package and need no torch; the checkpointer does.
+    if name == "Checkpointer":
+        from hpctrain.checkpoint.checkpointer import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'hpctrain.checkpoint' has no attribute {name!r}")

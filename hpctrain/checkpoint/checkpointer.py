@@ -1,13 +1,19 @@
-"""The trainer's one handle on checkpointing: resume, step-boundary hook, final save.
+"""One handle on checkpointing: resume, step-boundary hook, final save. It saves a mapping of
+``Stateful`` objects (``state_dict()`` / ``load_state_dict()``) and knows no trainer and no
+strategy. Usable from any loop::
 
-Usable from a hand-written loop too::
-
-    ckpt = Checkpointer(cfg, env, device, run_dir, parts)
-    ckpt.resume(cfg.resume)
-    for ...:                      # after each optimizer step
-        if ckpt.at_step(best):    # True: preempted, a checkpoint is committed
+    state = {"model": strategy.checkpoint_state(),   # model + optimizer, whole or sharded
+             "scheduler": scheduler, "scaler": precision, "counters": counters, "loader": loader}
+    ckpt = Checkpointer(run_dir, env, device, CheckpointConfig(every_steps=100), state)
+    ckpt.resume("auto")
+    for ...:                      # after each optimizer step (counters.step advanced)
+        if ckpt.at_step(best):    # True: preempted, a checkpoint is committed: exit 3
             break
     ckpt.finish(best)
+
+``state["model"]`` is a view from :mod:`hpctrain.parallel.state` (``WholeState(model,
+optimizer)`` for a plain model); ``state["counters"]`` has a ``step``. ``loader`` and ``rng``
+(added when missing) are saved per rank; every other entry once, by rank 0.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -29,20 +35,18 @@ from hpctrain.checkpoint.state import (
     DEEPSPEED_DIR,
     REPLICATED,
     REPLICATED_TENSORS,
+    RNG,
     SHARDED_DIR,
     rank_file,
     restore,
-    restore_sharded,
     snapshot,
 )
-from hpctrain.checkpoint.writer import CheckpointWriter, default_group, storage_ptr
+from hpctrain.checkpoint.writer import CheckpointWriter, default_group
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import UserError, agree
-from hpctrain.parallel import is_sharded
-from hpctrain.section import to_dict
 
-if TYPE_CHECKING:  # the composed config imports this package: no runtime import back
-    from hpctrain.config import Config
+if TYPE_CHECKING:
+    from hpctrain.checkpoint.config import CheckpointConfig
 
 log = logging.getLogger("hpctrain")
 T = TypeVar("T")
@@ -53,15 +57,20 @@ class StrategyMismatchError(UserError):
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, env: ClusterEnv, device: torch.device, run_dir: Path, parts: Any,
+    def __init__(self, run_dir: str | Path, env: ClusterEnv, device: torch.device, config: CheckpointConfig,
+                 state: Mapping[str, Any], *, run_config: dict[str, Any] | None = None,
                  signals: SignalFlag | None = None) -> None:
-        c = cfg.checkpoint
-        self.cfg, self.env, self.device, self.run_dir, self.parts = cfg, env, device, Path(run_dir), parts
+        """``state``: Stateful objects by name (see the module doc); ``run_config``: the run's
+        whole config as a dict, saved with each checkpoint and compared on resume."""
+        c = config
+        self.config, self.env, self.device, self.run_dir = c, env, device, Path(run_dir)
+        self.state: dict[str, Any] = {"rng": RNG(device), **state}
+        self.view, self.counters = self.state["model"], self.state["counters"]
         self.root = layout.checkpoints_dir(self.run_dir)
-        self.cfg_dict = to_dict(cfg)
-        self.engine = getattr(parts.step, "engine", None)  # strategy=deepspeed: DeepSpeed saves model + optimizer
-        self.format = "deepspeed" if self.engine is not None else c.format
-        if self.engine is not None and c.mode == "async" and env.is_main:
+        self.cfg_dict = dict(run_config or {})
+        own = self.view.format == "deepspeed"  # the view saves model + optimizer itself
+        self.format = self.view.format if self.view.format != "torch" else c.format
+        if own and c.mode == "async" and env.is_main:
             log.info("parallel.strategy=deepspeed: checkpoints are saved synchronously (DeepSpeed's save runs "
                      "collectives on the training process group), not checkpoint.mode=async")
         # Two gloo groups, created in the same order on every rank: one for the writer
@@ -71,7 +80,7 @@ class Checkpointer:
         self.writer = CheckpointWriter(self.root, env, mode=c.mode, local_dir=c.local_dir,
                                        stagger_s=c.stagger_seconds, keep_last=c.keep_last,
                                        keep_every=c.keep_every, group=self.group)
-        self.schedule = Schedule(c.every_steps, c.every_seconds, c.mtbf_hours, _state_bytes(parts))
+        self.schedule = Schedule(c.every_steps, c.every_seconds, c.mtbf_hours, self.view.nbytes())
         if signals is None:  # the trainer installs its own earlier, before set-up
             signals = SignalFlag(c.signals)
             signals.install()
@@ -79,7 +88,8 @@ class Checkpointer:
         self._closed = False
         # Async: parameters and optimizer state are copied by the writer thread while the
         # next forward/backward runs; the next optimizer.step() first waits for that copy.
-        self._hook = parts.optimizer.register_step_pre_hook(self._before_update) if c.mode == "async" else None
+        async_copy = c.mode == "async" and not own
+        self._hook = self.view.optimizer.register_step_pre_hook(self._before_update) if async_copy else None
         self.last_saved_step = -1
         self.resumed_from: Path | None = None
         self.best: dict[str, Any] = {}
@@ -143,8 +153,8 @@ class Checkpointer:
             files = manifest["files"]
             fmt = self._check_format(path, manifest)
             same_world = manifest.get("world_size") == self.env.world_size
-            whole_into_live = fmt == "torch" and not is_sharded(self.parts.model)  # bytes straight into the params
-            replicated = load_replicated(path, live_tensors(self.parts) if whole_into_live else None, files)
+            live = self.view.live_tensors() if fmt == "torch" else None  # a whole model: bytes straight in
+            replicated = load_replicated(path, _named_model(live), files)
             per_rank = load_file(path / rank_file(self.env.rank if same_world else 0), files)
             if fmt != "torch":
                 self._verify_sharded(path, files)
@@ -158,16 +168,14 @@ class Checkpointer:
         the world size that wrote it, and DeepSpeed needs its own checkpoints. Bad input: raised
         (every rank alike, before training), not skipped as corrupt."""
         fmt = str(manifest.get("format", "torch"))
-        if (fmt == "deepspeed") != (self.engine is not None):
+        if (fmt == "deepspeed") != (self.view.format == "deepspeed"):
             wrote = "parallel.strategy=deepspeed" if fmt == "deepspeed" else "a strategy other than deepspeed"
             raise StrategyMismatchError(
                 f"checkpoint {path} has format={fmt} and cannot resume under parallel.strategy="
-                f"{self.cfg.parallel.strategy}; hint: resume with the strategy that wrote it ({wrote}), or export "
-                f"its weights (`hpctrain ckpt export {path} model.pt`) and start a new run from them")
+                f"{getattr(self.view, 'strategy', '?')}; hint: resume with the strategy that wrote it ({wrote}), or "
+                f"export its weights (`hpctrain ckpt export {path} model.pt`) and start a new run from them")
         if fmt == "deepspeed":
-            from hpctrain.parallel.deepspeed import check_world
-
-            check_world(int(manifest.get("world_size", 0)), self.env.world_size, path)
+            self.view.check_world(int(manifest.get("world_size", 0)), self.env.world_size, path)
         return fmt
 
     def _verify_sharded(self, path: Path, files: dict[str, Any]) -> None:
@@ -181,34 +189,32 @@ class Checkpointer:
         replicated, per_rank = loaded
         fmt = layout.read_manifest(path).get("format")
         if fmt == "dcp":
-            restore_sharded(self.parts, path / SHARDED_DIR, self.group)  # DCP exchanges its own errors
+            self.view.load_sharded(str(path / SHARDED_DIR), self.group)  # DCP exchanges its own errors
         elif fmt == "deepspeed":
-            from hpctrain.parallel.deepspeed import load_engine
-
-            agree(f"loading DeepSpeed's state of {path}", lambda: load_engine(self.engine, path / DEEPSPEED_DIR))
-        elif "model" in replicated and is_sharded(self.parts.model):  # e.g. a DDP checkpoint resumed under FSDP
+            agree(f"loading DeepSpeed's state of {path}", lambda: self.view.load(path / DEEPSPEED_DIR))
+        elif "model" in replicated and self.view.live_tensors() is None:  # e.g. a DDP checkpoint resumed under FSDP
             replicated = agree(f"loading the whole state of {path} into this rank's shards",
-                               lambda: _whole_into_shards(self.parts, replicated, path))
+                               lambda: _whole_into_view(self.view, replicated, path))
         self.best = agree(f"restoring checkpoint {path}", lambda: restore(
-            self.parts, replicated, per_rank, self.env, self.device, self.cfg_dict, source=path))
+            self.state, replicated, per_rank, self.env, self.cfg_dict, source=path))
         self.resumed_from = path
         if path.parent.resolve() == self.root.resolve():
             self.writer.last_committed = path
-        self.last_saved_step = self.parts.counters.step
+        self.last_saved_step = self.counters.step
         agree("recording the resume", lambda: self._record_resume(path) if self.env.is_main else None)
 
     def _record_resume(self, path: Path) -> None:
         """Rank 0: newer checkpoints set aside, metrics rows past the checkpoint dropped."""
-        layout.set_aside(self.root, self.parts.counters.step)
-        log.info("resumed from %s (step %d, epoch %d)", path, self.parts.counters.step, self.parts.counters.epoch)
-        _trim_metrics(self.run_dir / "metrics.jsonl", self.parts.counters.step)
+        layout.set_aside(self.root, self.counters.step)
+        log.info("resumed from %s (step %d, epoch %d)", path, self.counters.step, self.counters.epoch)
+        _trim_metrics(self.run_dir / "metrics.jsonl", self.counters.step)
 
     # ---------------------------------------------------------------- the loop's hook
 
     def at_step(self, best: dict[str, Any]) -> bool:
         """At a step boundary: save if a schedule or a signal says so. True = stop now
         (preempted; the checkpoint is committed)."""
-        step = self.parts.counters.step
+        step = self.counters.step
         signal_seen, timer_due = self.signals.received is not None, self.schedule.time_due()
         if self.agree.distributed:  # every rank decides alike (one small all-reduce, every few steps)
             signal_seen, timer_due = self.agree(step, signal_seen, timer_due)
@@ -221,18 +227,18 @@ class Checkpointer:
         return False
 
     def save(self, best: dict[str, Any], *, blocking: bool = False) -> None:
-        step = self.parts.counters.step
+        step = self.counters.step
         if step == self.last_saved_step:
             if blocking:
                 self._settle()
             return
         self._settle()  # the save in flight commits (or raises) before the next starts; best.json follows it
-        snap = snapshot(self.parts, self.env, self.device, self.cfg_dict, best, self.format)
+        snap = snapshot(self.state, self.env, self.cfg_dict, best, self.format)
         if best.get("step") == step:
             snap.info["best"] = dict(best)
         if best.get("step") == step:
             self._best_pending = dict(best)
-        self.writer.save(snap, blocking=blocking, defer=_updated_by_step(self.parts) if self._hook else None)
+        self.writer.save(snap, blocking=blocking, defer=self.view.step_storages() if self._hook else None)
         self.last_saved_step = step
         self.schedule.saved(self.writer.last.stall_s, max(self.writer.last.total_s, self.writer.last.stall_s))
         if blocking or not self.writer.busy():
@@ -246,7 +252,7 @@ class Checkpointer:
             self._best_pending = dict(best)
             if not self.writer.busy():
                 self._settle()
-        elif self.cfg.checkpoint.on_best:
+        elif self.config.on_best:
             self.save(best)
 
     def _settle(self) -> None:
@@ -271,7 +277,7 @@ class Checkpointer:
 
     def finish(self, best: dict[str, Any]) -> None:
         """End of training: the final save (``checkpoint.at_end``), committed before return."""
-        if self.cfg.checkpoint.at_end:
+        if self.config.at_end:
             self.save(best, blocking=True)
 
     def close(self) -> Path | None:
@@ -324,29 +330,16 @@ class Checkpointer:
         return self.env.distributed and dist.is_initialized()
 
 
-def _whole_into_shards(parts: Any, replicated: dict[str, Any], source: Path) -> dict[str, Any]:
-    """A whole (format=torch) model and optimizer state, loaded into a sharded model: every rank
-    keeps its own shard of each tensor (torch.distributed.checkpoint.state_dict, full_state_dict).
-    The optimizer's parameter indices become parameter names, in the order the optimizer was
-    built over (``model.parameters()``). Returns ``replicated`` without model and optimizer."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    from hpctrain.checkpoint.state import CheckpointMismatchError
-    from hpctrain.parallel import unwrap
-
-    names = [name for name, param in unwrap(parts.model).named_parameters() if param.requires_grad]
-    saved = replicated["optimizer"]
-    try:
-        optim: dict[str, Any] = {"state": {names[int(i)]: value for i, value in saved["state"].items()},
-                 "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
-                                  for group in saved["param_groups"]]}
-        set_state_dict(parts.model, parts.optimizer, model_state_dict=replicated["model"], optim_state_dict=optim,
-                       options=StateDictOptions(full_state_dict=True))
-    except (RuntimeError, ValueError, KeyError, IndexError) as err:  # another model's checkpoint: bad input
-        raise CheckpointMismatchError(
-            f"checkpoint {source} does not fit this model ({' '.join(str(err).split())[:300]}); hint: "
-            "resume with the model.name and model.num_classes that wrote it, or resume=never") from err
+def _whole_into_view(view: Any, replicated: dict[str, Any], source: Path) -> dict[str, Any]:
+    """A whole (format=torch) model and optimizer loaded into a view that holds shards; returns
+    ``replicated`` without them (restore() then puts back the rest)."""
+    view.load_state_dict({"model": replicated["model"], "optimizer": replicated["optimizer"]}, source)
     return {k: v for k, v in replicated.items() if k not in ("model", "optimizer")}
+
+
+def _named_model(live: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """The model's live tensors under the names the replicated file gives them."""
+    return tensorfile.split({"model": live})[1] if live is not None else None
 
 
 def load_replicated(path: Path, into: dict[str, torch.Tensor] | None = None,
@@ -368,13 +361,6 @@ def load_replicated(path: Path, into: dict[str, torch.Tensor] | None = None,
     except (OSError, KeyError, TypeError, ValueError) as err:
         raise layout.CheckpointError(f"{tensors_file} cannot be read ({type(err).__name__}: {err})") from err
     return tensorfile.join(skeleton, tensors)
-
-
-def live_tensors(parts: Any) -> dict[str, torch.Tensor]:
-    """The model's live tensors under the names the replicated file gives them."""
-    from hpctrain.parallel import unwrap
-
-    return tensorfile.split({"model": unwrap(parts.model).state_dict()})[1]
 
 
 def load_file(path: Path, files: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -417,22 +403,6 @@ def _check_entry(path: Path, expect: dict[str, Any], hasher: Callable[[Path], di
                                      "(truncated or overwritten)")
     if got[tensorfile.DIGEST] != expect.get(tensorfile.DIGEST):
         raise layout.CheckpointError(f"{path}: checksum ({tensorfile.DIGEST}) does not match the manifest (corrupted)")
-
-
-def _updated_by_step(parts: Any) -> set[int]:
-    """Storages that only ``optimizer.step()`` changes: parameters and optimizer state.
-    (Buffers such as BatchNorm statistics change in forward: they are copied at once.)"""
-    ptrs = {storage_ptr(p) for p in parts.model.parameters()}
-    for state in parts.optimizer.state.values():
-        ptrs |= {storage_ptr(v) for v in state.values() if isinstance(v, torch.Tensor)}
-    return ptrs
-
-
-def _state_bytes(parts: Any) -> int:
-    tensors = list(parts.model.parameters())
-    for state in parts.optimizer.state.values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _trim_metrics(path: Path, step: int) -> None:

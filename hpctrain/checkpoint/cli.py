@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.checkpoint import layout
-from hpctrain.checkpoint.export import SUFFIXES, ExportError, Source, dcp_source, dict_source, write_stream
-from hpctrain.checkpoint.state import DEEPSPEED_DIR, SHARDED_DIR
+
+if TYPE_CHECKING:
+    from hpctrain.weights.export import Source
 
 
 def add_parser(subparsers: Any) -> None:
@@ -77,6 +78,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    # Here, not at the top: export needs torch, and list and verify (a login node's) do not.
+    from hpctrain.weights.export import SUFFIXES, ExportError, write_stream
+
     out = Path(args.out)
     if out.suffix not in SUFFIXES:
         print(f"hpctrain ckpt export: {out} must end in .pt or .safetensors", file=sys.stderr)
@@ -100,6 +104,9 @@ def checkpoint_source(path: Path) -> Source:
     """A committed checkpoint's model tensors, without a process group: a DCP checkpoint's are
     read one at a time (never the optimizer state); a DeepSpeed one's ZeRO partitions are merged
     by DeepSpeed's zero_to_fp32; a torch-format one's rank-0 file is loaded."""
+    from hpctrain.checkpoint.state import DEEPSPEED_DIR, SHARDED_DIR
+    from hpctrain.weights.export import dcp_source, dict_source
+
     fmt = layout.read_manifest(path).get("format")
     if fmt == "dcp":
         return dcp_source(path / SHARDED_DIR)

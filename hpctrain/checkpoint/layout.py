@@ -22,10 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
-from hpctrain.checkpoint import tensorfile
-from hpctrain.checkpoint.tensorfile import DIGEST, TreeHash
+from hpctrain._version import __version__
 from hpctrain.errors import RunError, UserError
 from hpctrain.rundir import atomic_write_text, replace_durably
 
@@ -35,6 +32,9 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 PARTIAL_PREFIX = ".partial-"
 BEST_FILE = "best.json"
+# The manifest's checksum key; tensorfile.DIGEST says the same, but tensorfile loads torch, and
+# `hpctrain ckpt list` on a login node reads manifests without it (tests/test_imports.py checks both).
+DIGEST = "sha256_tree"
 CHECKSUM_DOC = f"{DIGEST}: sha256 of the concatenated sha256 digests of the file's consecutive 64 MiB pieces"
 _NAME = re.compile(r"^step-(\d{9,})$")
 
@@ -73,6 +73,8 @@ class HashingWriter:
     copies); tensor bytes go through tensorfile.write."""
 
     def __init__(self, path: Path) -> None:
+        from hpctrain.checkpoint.tensorfile import TreeHash  # writing: torch is loaded anyway
+
         self.path = path
         self._fh: IO[bytes] = open(path, "wb")
         self._digest = TreeHash()
@@ -103,6 +105,8 @@ class HashingWriter:
 
 def save_file(obj: Any, path: Path) -> dict[str, Any]:
     """``torch.save`` to ``path`` (fsynced); returns its manifest entry."""
+    import torch
+
     writer = HashingWriter(path)
     try:
         torch.save(obj, writer)  # type: ignore[arg-type]
@@ -114,6 +118,8 @@ def save_file(obj: Any, path: Path) -> dict[str, Any]:
 
 def hash_file(path: Path) -> dict[str, Any]:
     """Manifest entry of a file already on disk (DCP's files, verification)."""
+    from hpctrain.checkpoint import tensorfile
+
     return tensorfile.hash_file(path)
 
 
@@ -121,7 +127,7 @@ def hash_file(path: Path) -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    from hpctrain import __version__
+    import torch
 
     return {"hpctrain": __version__, "torch": torch.__version__, "python": platform.python_version()}
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ class Snapshot:
     per_rank: dict[str, Any]
     sharded: dict[str, Any] | None      # format=dcp: model + optimizer, on every rank
     info: dict[str, Any]                 # goes into the manifest
-    engine: Any = None                   # format=deepspeed: the engine, whose own save writes model + optimizer
+    own: Any = None                      # format=deepspeed: the view that saves model + optimizer itself
 
 
 # ---------------------------------------------------------------- config fingerprint
@@ -105,120 +106,85 @@ def _as_tuples(value: Any) -> Any:
 # ---------------------------------------------------------------- collect / restore
 
 
-def snapshot(parts: Any, env: ClusterEnv, device: torch.device, cfg_dict: dict[str, Any],
+@dataclass
+class Counters:
+    """Progress that a resumed run must restore (a Stateful; the checkpointer reads ``step``)."""
+
+    step: int = 0          # optimizer steps done
+    epoch: int = 0         # epochs completed
+    samples_seen: int = 0  # global training samples consumed
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch, self.samples_seen = state["step"], state["epoch"], state["samples_seen"]
+
+
+# Entries of the state mapping that differ per rank: each rank writes its own (rank-NNNNN.pt).
+PER_RANK = ("loader", "rng")
+
+
+class RNG:
+    """The random streams (python, numpy, torch CPU, CUDA) as a ``Stateful``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state(self.device)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_rng_state(state, self.device)
+
+
+def snapshot(state: Mapping[str, Any], env: ClusterEnv, cfg_dict: dict[str, Any],
              best: dict[str, Any], fmt: str) -> Snapshot:
     """References to the live state (no copies): a sync save serializes them right away,
-    an async save stages them first (see writer.Stager). ``fmt``: torch (rank 0 writes model and
-    optimizer whole), dcp (every rank its shards), deepspeed (DeepSpeed's save, every rank)."""
-    from hpctrain.parallel import unwrap
-
-    counters = parts.counters.state_dict()
-    per_rank = {"rank": env.rank, "world_size": env.world_size, "rng": rng_state(device),
-                "loader": parts.train_loader.state_dict(), "counters": counters}
-    sharded = _sharded_state(parts) if fmt == "dcp" else None
-    if fmt == "torch" and env.distributed:
-        _consolidate_zero1(parts.optimizer)
+    an async save stages them first (see writer.Stager). ``state``: Stateful objects by name;
+    ``state["model"]`` is the strategy's view of model + optimizer (hpctrain.parallel.state),
+    ``state["counters"]`` has the ``step``. ``fmt``: torch (rank 0 writes model and optimizer
+    whole), dcp (every rank its shards), deepspeed (the view saves itself, every rank)."""
+    view = state["model"]
+    counters = state["counters"].state_dict()
+    per_rank = {"rank": env.rank, "world_size": env.world_size, "counters": counters,
+                **{name: state[name].state_dict() for name in PER_RANK if state.get(name) is not None}}
+    sharded = view.sharded_state_dict() if fmt == "dcp" else None
+    if fmt == "torch":
+        view.gather()  # a collective where the optimizer state is split (ZeRO-1): every rank
     replicated = None
     if env.is_main:
-        replicated = {
-            "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
-            "scaler": parts.precision.state_dict(), "counters": counters, "best": dict(best),
-            "config": cfg_dict, "config_sha256": config_fingerprint(cfg_dict),
-        }
+        replicated = {name: (obj.state_dict() if obj is not None else None) for name, obj in state.items()
+                      if name != "model" and name not in PER_RANK}
+        replicated.update({"best": dict(best), "config": cfg_dict, "config_sha256": config_fingerprint(cfg_dict)})
         if fmt == "torch":
-            replicated["model"] = unwrap(parts.model).state_dict()
-            replicated["optimizer"] = parts.optimizer.state_dict()
+            replicated.update(view.state_dict())
     info = {**counters, "world_size": env.world_size, "format": fmt, "config_sha256": config_fingerprint(cfg_dict)}
-    engine = getattr(parts.step, "engine", None) if fmt == "deepspeed" else None
-    return Snapshot(counters["step"], replicated, per_rank, sharded, info, engine)
+    return Snapshot(counters["step"], replicated, per_rank, sharded, info, view if fmt == "deepspeed" else None)
 
 
-def _consolidate_zero1(optimizer: Any) -> None:
-    """ZeRO-1 (strategy=zero1) splits the optimizer state over the ranks: every rank sends its
-    part to rank 0, whose ``state_dict()`` is then the whole state (a one-process optimizer's
-    layout, so a resume at any world size, or into ddp, loads it; ZeRO-1 re-splits it on load)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)  # a collective: every rank, before rank 0's state_dict()
-
-
-def _sharded_state(parts: Any) -> dict[str, Any]:
-    """format=dcp: model and optimizer under the whole model's parameter names (a pipeline
-    stage's blocks renumbered), the optimizer flattened to one entry per name, so that any
-    split of the model (fsdp at any world size, any pp x dp, one process) reads its own names."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from hpctrain.parallel.pipeline import PipelineStep
-    from hpctrain.parallel.pipeline_state import FLAT, pipeline_state
-
-    if isinstance(getattr(parts, "step", None), PipelineStep):
-        return pipeline_state(parts.step, parts.optimizer)
-    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer, options=FLAT)
-    return {"model": model_sd, "optimizer": optim_sd}
-
-
-def restore(parts: Any, replicated: dict[str, Any], per_rank: dict[str, Any], env: ClusterEnv,
-            device: torch.device, cfg_dict: dict[str, Any], source: Any = None) -> dict[str, Any]:
-    """Put a checkpoint back into ``parts``; returns the saved ``best`` record.
+def restore(state: Mapping[str, Any], replicated: dict[str, Any], per_rank: dict[str, Any], env: ClusterEnv,
+            cfg_dict: dict[str, Any], source: Any = None) -> dict[str, Any]:
+    """Put a checkpoint back into ``state``; returns the saved ``best`` record.
 
     ``per_rank`` is this rank's file, or rank 0's when the world size changed: then the
     loader gets rank 0's position (a resharding loader can map it) and RNG keeps seed + rank.
     """
-    from hpctrain.parallel import unwrap
-
     if "model" in replicated:
-        try:
-            unwrap(parts.model).load_state_dict(replicated["model"])
-            parts.optimizer.load_state_dict(replicated["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as err:  # another model's checkpoint: bad input, not a bug
-            raise CheckpointMismatchError(
-                f"checkpoint {source} does not fit this model ({' '.join(str(err).split())[:300]}); hint: "
-                "resume with the model.name and model.num_classes that wrote it, or resume=never") from err
-    if parts.scheduler is not None and replicated.get("scheduler") is not None:
-        parts.scheduler.load_state_dict(replicated["scheduler"])
-    parts.precision.load_state_dict(replicated.get("scaler") or {})
-    parts.counters.load_state_dict(replicated["counters"])
+        state["model"].load_state_dict({"model": replicated["model"], "optimizer": replicated["optimizer"]}, source)
+    for name, obj in state.items():
+        if obj is None or name == "model":
+            continue
+        if name in PER_RANK:
+            if name != "rng" or per_rank["world_size"] == env.world_size:
+                obj.load_state_dict(per_rank[name])
+        elif replicated.get(name) is not None:
+            obj.load_state_dict(replicated[name])
     changes = config_changes(replicated.get("config", {}), cfg_dict)
     if changes and env.is_main:
         log.warning("resuming with a changed config (the run may not match an uninterrupted one): %s",
                     "; ".join(changes))
-    parts.train_loader.load_state_dict(per_rank["loader"])
-    if per_rank["world_size"] == env.world_size:
-        set_rng_state(per_rank["rng"], device)
-    elif env.is_main:
+    if per_rank["world_size"] != env.world_size and env.is_main:
         log.warning("resuming at world size %d from a checkpoint of world size %d: model and optimizer are "
                     "exact, RNG streams restart from seed + data-parallel rank", env.world_size, per_rank["world_size"])
     return dict(replicated.get("best") or {})
-
-
-def restore_sharded(parts: Any, path: Any, group: Any) -> None:
-    """format=dcp: every rank reads its shard (the world size, and the pipeline split, may differ
-    from the save's). Checkpoints written before the optimizer was saved flattened load too."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    from hpctrain.parallel.pipeline import PipelineStep
-    from hpctrain.parallel.pipeline_state import load_pipeline_state
-
-    flat = _optimizer_flattened(path)
-    if isinstance(getattr(parts, "step", None), PipelineStep):
-        if not flat:
-            raise CheckpointMismatchError(f"checkpoint {path} holds the optimizer in the older nested layout, which "
-                                          "pipeline stages cannot split; hint: resume it without parallel.pp")
-        load_pipeline_state(parts.step, parts.optimizer, str(path), group)
-        return
-    options = StateDictOptions(flatten_optimizer_state_dict=flat)
-    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer, options=options)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(path), process_group=group)
-    set_state_dict(parts.model, parts.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=options)
-
-
-def _optimizer_flattened(path: Any) -> bool:
-    """Did the save flatten the optimizer (``optimizer.param_groups.<name>.<key>`` entries)?"""
-    import torch.distributed.checkpoint as dcp
-
-    names = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return any(name.startswith("optimizer.param_groups.") for name in names)

@@ -164,7 +164,7 @@ class CheckpointWriter:
         start = time.perf_counter()
         self.wait()
         # DeepSpeed's save runs collectives on the training process group: in this thread only
-        in_background = self.mode == "async" and not blocking and snap.engine is None
+        in_background = self.mode == "async" and not blocking and snap.own is None
         if in_background:
             snap = _stage(snap, self._stager, defer)
             if defer:
@@ -281,8 +281,8 @@ def write_files(snap: Snapshot, target: Path, env: ClusterEnv, group: Any) -> di
     files = {}
     if snap.sharded is not None:
         files.update(_write_sharded(snap.sharded, target / SHARDED_DIR, env, group))
-    if snap.engine is not None:
-        files.update(_write_engine(snap.engine, target, env))
+    if snap.own is not None:
+        files.update(_write_own(snap.own, target, env))
     if snap.replicated is not None:
         skeleton, tensors = tensorfile.split(snap.replicated)
         files[REPLICATED_TENSORS] = tensorfile.write(target / REPLICATED_TENSORS, tensors)
@@ -303,16 +303,14 @@ def _write_sharded(state: dict[str, Any], directory: Path, env: ClusterEnv, grou
     return {f"{SHARDED_DIR}/{p.name}": layout.hash_file(p) for p in sorted(mine)}
 
 
-def _write_engine(engine: Any, target: Path, env: ClusterEnv) -> dict[str, dict[str, Any]]:
-    """format=deepspeed: DeepSpeed's own save (every rank: its ZeRO partitions; rank 0 also the
-    module and the scheduler) into ``target/deepspeed``; each rank lists, fsyncs and hashes the
-    files it wrote (DeepSpeed's torch.save does not fsync)."""
-    from hpctrain.parallel.deepspeed import engine_files, save_engine
-
+def _write_own(view: Any, target: Path, env: ClusterEnv) -> dict[str, dict[str, Any]]:
+    """format=deepspeed: the view's own save (DeepSpeed's: every rank its ZeRO partitions, rank 0
+    also the module and the scheduler) into ``target/deepspeed``; each rank lists, fsyncs and
+    hashes the files it wrote (DeepSpeed's torch.save does not fsync)."""
     directory = target / DEEPSPEED_DIR
-    save_engine(engine, directory)  # ends in DeepSpeed's barrier: every rank's files are complete
+    view.save(directory)  # a collective that ends in a barrier: every rank's files are complete
     files = {}
-    for path in engine_files(directory, env.rank):
+    for path in view.files(directory, env.rank):
         fsync_file(path)
         files[path.relative_to(target).as_posix()] = layout.hash_file(path)
     return files

@@ -8,28 +8,29 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hpctrain.data.shards import (
-    CorruptSampleError,
-    ShardError,
-    index_existing,
+from hpctrain.data.errors import CorruptSampleError, ShardError
+from hpctrain.data.indexing import index_existing
+from hpctrain.data.manifest import summarize
+from hpctrain.data.sources import (
+    DEFAULT_SEQ_LEN,
+    VAL_FRACTION,
+    PackOptions,
     open_source,
-    parse_size,
-    summarize,
-    verify,
-    write_shards,
+    pack_choices,
+    pack_source,
 )
+from hpctrain.data.verify import verify
+from hpctrain.data.writer import parse_size, write_shards
 
 
 def cmd_shard(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from hpctrain.data.text import is_text_spec, text_sources
-
-    if is_text_spec(args.source):  # text: both splits at once (split by document) unless --split is given
-        sources = text_sources(args.source, args.split, seq_len=args.seq_len, glob=args.glob,
-                               val_fraction=args.val_fraction)
-    else:
-        sources = {args.split or "train": open_source(args.source, args.split or "train")}
+    # without --split: the source's own splits (text: train and val, split by document)
+    splits = [args.split] if args.split else pack_source(args.source)[0].pack_splits
+    options = PackOptions(args.seq_len, args.glob, args.val_fraction)
+    # every split's source before any is written: a bad one leaves no half-written directory
+    sources = {split: open_source(args.source, split, options) for split in splits}
     max_bytes = parse_size(args.shard_size) if args.shard_size else None
     for split, source in sources.items():
         with tqdm(total=source.size, unit="sample", desc=f"{split} shards", dynamic_ncols=True,
@@ -104,17 +105,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sub = parser.add_subparsers(dest="data_command", required=True)
 
     p = sub.add_parser("shard", help="write SOURCE as OUT_DIR/<split>-NNNNNN.tar + index + manifest")
-    p.add_argument("source", help="mnist | fashion_mnist | imagefolder:PATH | npz:PATH | jsonl:PATH | "
-                                  "synthetic_cifar:N | text:PATH (file, dir or tar.gz) | shakespeare")
+    p.add_argument("source", help=" | ".join(pack_choices()) + " (text:PATH: a file, a directory or a tar.gz)")
     p.add_argument("out_dir")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--samples-per-shard", type=int, help="samples per shard")
     size.add_argument("--shard-size", help="bytes per shard, e.g. 256MB (default when neither is given)")
     p.add_argument("--split", choices=["train", "val", "test"],
                    help="the split to write (default: train; text: both train and val, split by document)")
-    p.add_argument("--seq-len", type=int, default=128, help="text: tokens per sample (windows of seq-len + 1)")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
+                   help="text: tokens per sample (windows of seq-len + 1)")
     p.add_argument("--glob", help="text: which files of a directory or tar are documents (default *.txt)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="text: share of documents held out as val")
+    p.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
+                   help="text: share of documents held out as val")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_guarded(cmd_shard))
 

@@ -29,11 +29,19 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpctrain.cache import cache_root
+from hpctrain.data.errors import ShardError
+from hpctrain.data.indexing import index_existing, tar_stats
+from hpctrain.data.manifest import manifest_path
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.data.shards import ShardError, index_existing, manifest_path, tar_stats, write_atomic
 from hpctrain.env import ClusterEnv
+from hpctrain.rundir import atomic_write_bytes
+from hpctrain.section import ConfigError
+
+if TYPE_CHECKING:
+    from hpctrain.data.config import DataConfig
 
 log = logging.getLogger("hpctrain")
 _BRACE = re.compile(r"\{([^{}]*)\}")
@@ -195,7 +203,7 @@ def _index(p: Plan, train_split: str) -> None:
         done.append(f"{split}: {len(tars)} tars, {manifest['total_samples']} samples")
     for split, source in p.mirror.items():
         if not _mirrored(p.root, split, source):
-            write_atomic(manifest_path(p.root, split), _mirror_bytes(source))
+            atomic_write_bytes(manifest_path(p.root, split), _mirror_bytes(source))
     if done:
         log.info("indexed the tars in %s on first use (%s) into %s; later runs reuse the index",
                  p.directory, "; ".join(done), p.root)
@@ -213,3 +221,11 @@ def prepare(path: str, splits: Sequence[str], env: ClusterEnv) -> Path:
     # that looked after rank 0 finished would see nothing to do and skip the collective).
     once_per_node("indexing the shards", env, work, lambda: _ready(plan(path, splits)))
     return plan(path, splits).root
+
+
+def shards_root(data: DataConfig, env: ClusterEnv, seq_len: int | None) -> Path:
+    """Source hook (``data.name=shards``): the manifests of ``data.path``, its tars indexed on first use."""
+    if not data.path:
+        raise ConfigError("data.name=shards needs data.path=DIR (made by `hpctrain data shard SOURCE DIR`, "
+                          "or a directory of WebDataset tars)")
+    return prepare(data.path, ["train", data.val_split], env)

@@ -32,17 +32,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from hpctrain.data.batch import Batch, pass_batch
+from hpctrain.data.errors import CorruptSampleError, ShardError
+from hpctrain.data.manifest import IMAGE_EXTS, INPUT_EXTS, LABEL_EXTS, data_dir, load_index, load_manifest
 from hpctrain.data.memory import rank_slice  # one split rule for every evaluation loader
-from hpctrain.data.shards import (
-    IMAGE_EXTS,
-    LABEL_EXTS,
-    CorruptSampleError,
-    ShardError,
-    data_dir,
-    load_index,
-    load_manifest,
-)
-from hpctrain.data.sources import Batch, pass_batch
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import UserError
 
@@ -197,7 +190,7 @@ def _spng() -> Any:
     global _SPNG
     if _SPNG is None:
         try:
-            import pyspng  # type: ignore[import-untyped]  # optional, no stubs
+            import pyspng  # type: ignore[import-untyped,import-not-found]  # optional, no stubs
 
             _SPNG = pyspng.load
         except ImportError:
@@ -252,7 +245,7 @@ class ShardDataset(Dataset):
         self.target_key = index.decode.get("target_key")  # the label inside a .json record
         if self.input_field not in index.fields:
             raise ShardError(f"{index.root}: input field {self.input_field!r} is not among the fields {index.fields}")
-        if transform is None and self.input_field.rsplit(".", 1)[-1] not in (*IMAGE_EXTS, "npy"):
+        if transform is None and self.input_field.rsplit(".", 1)[-1] not in INPUT_EXTS:
             raise ShardError(f"{index.root}: samples hold .{self.input_field} (not an image or array); "
                              "hint: pass transform=fn(sample_dict) -> (tensor, label) to the loader")
         self._fds: dict[int, int] = {}
@@ -389,7 +382,7 @@ class ShardDataset(Dataset):
 
 def _first_input(fields: list[str]) -> str:
     for f in fields:
-        if f.rsplit(".", 1)[-1] in (*IMAGE_EXTS, "npy"):
+        if f.rsplit(".", 1)[-1] in INPUT_EXTS:
             return f
     return next((f for f in fields if f != "cls"), fields[0])
 

@@ -1,4 +1,6 @@
-"""Loaders for in-memory datasets.
+"""Loaders for in-memory datasets: an :class:`~hpctrain.data.batch.ArrayDataset` (one tensor
+gather per batch) or any map-style ``torch.utils.data.Dataset`` of ``(input, target)`` items
+(collated by torch's ``default_collate``; the sample indices are the batch's keys).
 
 Training: DistributedSampler order, per-rank batches, and a position (epoch, batches
 done) that can be saved and restored mid-epoch. Evaluation: contiguous per-rank slices,
@@ -7,13 +9,15 @@ so every sample is evaluated exactly once across ranks (no padding repeats)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from hpctrain.data.sources import ArrayDataset, Batch, pass_batch
+from hpctrain.data.batch import Batch, batched, pass_batch
 from hpctrain.env import ClusterEnv
+
+D = TypeVar("D", bound=Dataset)  # the dataset as given: loader.dataset keeps its type
 
 
 class _SkipSampler(Sampler[int]):
@@ -29,21 +33,23 @@ class _SkipSampler(Sampler[int]):
         return max(0, len(self.inner) - self.start)
 
 
-class MemoryLoader:
-    """Per-rank batches of an :class:`ArrayDataset`, in DistributedSampler order.
+class MemoryLoader(Generic[D]):
+    """Per-rank batches of a map-style dataset, in DistributedSampler order.
 
     The global order depends only on (seed, epoch), so a run with batch b on N ranks sees
     exactly the samples of a run with batch N*b on one rank. ``set_epoch`` must be called
     each epoch (the training loop does).
     """
 
-    def __init__(self, dataset: ArrayDataset, env: ClusterEnv, batch_size: int, *, seed: int = 0,
+    def __init__(self, dataset: D, env: ClusterEnv, batch_size: int, *, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True, num_workers: int = 0,
                  prefetch_factor: int = 2, pin_memory: bool = False, persistent_workers: bool = True) -> None:
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
+        self._batches = batched(dataset)  # reads a batch at a time: one gather for an ArrayDataset
         self.num_workers = num_workers
-        self.sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank,
-                                          shuffle=shuffle, seed=seed, drop_last=False)
+        self.sampler: DistributedSampler[Any] = DistributedSampler(self._batches, num_replicas=env.world_size,
+                                                                   rank=env.rank, shuffle=shuffle, seed=seed,
+                                                                   drop_last=False)
         self._loader_kwargs: dict[str, Any] = dict(
             batch_size=batch_size, drop_last=drop_last, collate_fn=pass_batch, num_workers=num_workers,
             pin_memory=pin_memory,
@@ -80,20 +86,20 @@ class MemoryLoader:
         for start in range(self.batches_done * self.batch_size, total, self.batch_size):
             if self.drop_last and start + self.batch_size > total:
                 return  # a short last batch (plain arithmetic: Tensor.__len__ is a Python call)
-            yield self.dataset.__getitems__(order[start : start + self.batch_size])
+            yield self._batches.__getitems__(order[start : start + self.batch_size])
 
     def _through_workers(self) -> Iterator[Batch]:
         start = self.batches_done * self.batch_size
         if start == 0:
             return iter(self._full_epoch_loader())
         # A resumed epoch: a one-off loader over the remaining indices.
-        return iter(DataLoader(self.dataset, sampler=_SkipSampler(self.sampler, start),
+        return iter(DataLoader(self._batches, sampler=_SkipSampler(self.sampler, start),
                                **{**self._loader_kwargs, "persistent_workers": False}))
 
     def _full_epoch_loader(self) -> DataLoader:
         # One DataLoader for the whole run, so persistent workers survive epochs.
         if self._loader is None:
-            self._loader = DataLoader(self.dataset, sampler=self.sampler, **self._loader_kwargs)
+            self._loader = DataLoader(self._batches, sampler=self.sampler, **self._loader_kwargs)
         return self._loader
 
     def state_dict(self) -> dict[str, int]:
@@ -113,12 +119,13 @@ def rank_slice_of(n: int, rank: int, world: int) -> range:
     return range(rank * n // world, (rank + 1) * n // world)
 
 
-class EvalLoader:
-    """This rank's slice of an in-memory dataset, in order, in batches; no sample twice."""
+class EvalLoader(Generic[D]):
+    """This rank's slice of a map-style dataset, in order, in batches; no sample twice."""
 
-    def __init__(self, dataset: ArrayDataset, env: ClusterEnv, batch_size: int) -> None:
+    def __init__(self, dataset: D, env: ClusterEnv, batch_size: int) -> None:
         self.dataset, self.batch_size = dataset, batch_size
-        self.indices = rank_slice(len(dataset), env)
+        self._batches = batched(dataset)
+        self.indices = rank_slice(len(self._batches), env)
 
     def __len__(self) -> int:
         return -(-len(self.indices) // self.batch_size)
@@ -126,8 +133,8 @@ class EvalLoader:
     def __iter__(self) -> Iterator[Batch]:
         for start in range(0, len(self.indices), self.batch_size):
             chunk = self.indices[start : start + self.batch_size]
-            yield self.dataset.__getitems__(list(chunk))
+            yield self._batches.__getitems__(list(chunk))
 
     def template(self) -> Batch:
         """A one-sample batch of the right shape, for masked padding steps."""
-        return self.dataset.__getitems__([0])
+        return self._batches.__getitems__([0])

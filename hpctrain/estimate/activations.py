@@ -1,4 +1,5 @@
-"""Activation memory per GPU: Korthikanti et al. 2022 for transformers, a meta-device forward otherwise.
+"""Activation memory per GPU: Korthikanti et al. 2022 for transformers (any other model is
+measured by a meta-device forward, :func:`hpctrain.estimate.measure.saved_tensor_bytes`).
 
 Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
 count the bytes one transformer layer keeps for backward, with e-byte activations and
@@ -18,9 +19,6 @@ layers: L layers' worth, whatever p is.
 """
 
 from __future__ import annotations
-
-import torch
-from torch import nn
 
 from hpctrain.errors import UserError
 from hpctrain.estimate.model import TransformerShape
@@ -68,27 +66,3 @@ def _ends_bytes(shape: TransformerShape, micro_batch: int, *, tp: int, pp: int, 
     if pp == 1:
         total += (2 * element_bytes * sbh + 4 * shape.seq_len * micro_batch * shape.vocab) / tp
     return total
-
-
-def saved_tensor_bytes(model: nn.Module, sample_shape: tuple[int, ...], micro_batch: int,
-                       element_bytes: int = 4, input_dtype: torch.dtype = torch.float32) -> float:
-    """Bytes of the tensors autograd saves for backward in one forward of a meta-device model.
-
-    Any architecture, no memory used: the forward runs on the meta device under a
-    saved-tensors hook. Parameters are not activations and are left out; a tensor saved
-    twice counts once. Floating tensors are rescaled from their dtype to ``element_bytes``
-    (an approximation of autocast, which keeps some ops such as norms in fp32).
-    """
-    params = {id(p) for p in model.parameters()}
-    saved: dict[int, torch.Tensor] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in params and id(t._base) not in params:  # a weight or its transpose is no activation
-            saved[id(t)] = t
-        return t
-
-    x = torch.empty((micro_batch, *sample_shape), dtype=input_dtype, device="meta")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return float(sum(t.numel() * (element_bytes if t.is_floating_point() else t.element_size())
-                     for t in saved.values()))

@@ -8,7 +8,7 @@ import re
 from typing import NamedTuple
 
 from hpctrain.errors import UserError
-from hpctrain.estimate import activations, flops, memory, model, reliability
+from hpctrain.estimate import activations, memory, model, reliability
 from hpctrain.estimate.hardware import ACCELERATORS, PRECISIONS, lookup
 from hpctrain.estimate.plan import Inputs, estimate
 from hpctrain.estimate.render import render
@@ -58,14 +58,16 @@ def _size(args: argparse.Namespace, shape: model.TransformerShape | None) -> _Si
 
 
 def _measure(name: str, micro_batch: int, element_bytes: int) -> _Size:
-    net = model.meta_model(name)
+    from hpctrain.estimate import measure  # builds the model: the one path that needs torch
+
+    net = measure.meta_model(name)
     source = f"--model {name} (built on the meta device)"
-    sample = model.input_shape(name)
+    sample = measure.input_shape(name)
     if sample is None:  # a user factory declares no input shape: parameters only
         return _Size(float(model.count_params(net)), source)
-    dtype = model.input_dtype(name)
-    acts = activations.saved_tensor_bytes(net, sample, micro_batch, element_bytes, dtype)
-    return _Size(float(model.count_params(net)), source, acts, flops.counted_per_sample(net, sample, dtype=dtype))
+    dtype = measure.input_dtype(name)
+    acts = measure.saved_tensor_bytes(net, sample, micro_batch, element_bytes, dtype)
+    return _Size(float(model.count_params(net)), source, acts, measure.counted_per_sample(net, sample, dtype=dtype))
 
 
 def inputs_from_args(args: argparse.Namespace) -> Inputs:

@@ -5,15 +5,11 @@ add) and 4 backward (gradients of inputs and of weights). It leaves out attentio
 score/value products, which :func:`attention_flops` adds when the shape is known (12·L·h·s
 per token for forward+backward, the PaLM appendix B convention, non-causal count).
 6ND badly undercounts networks that reuse a weight at many positions (a convolution):
-for a model built on the meta device, :func:`counted_per_sample` counts the real matmul
+for a model built on the meta device, :func:`hpctrain.estimate.measure.counted_per_sample` counts the real matmul
 and convolution FLOPs of one forward+backward with ``torch.utils.flop_counter``.
 """
 
 from __future__ import annotations
-
-import torch
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.estimate.model import TransformerShape
 
@@ -35,12 +31,3 @@ def pf_days(flops: float) -> float:
 def wall_seconds(flops: float, gpus: int, peak_flops: float, mfu: float) -> float:
     """Time to do ``flops`` on ``gpus`` chips, each sustaining ``mfu`` of its dense peak."""
     return flops / (gpus * peak_flops * mfu)
-
-
-def counted_per_sample(model: nn.Module, sample_shape: tuple[int, ...], batch: int = 2,
-                       dtype: torch.dtype = torch.float32) -> float:
-    """Forward+backward FLOPs per sample, counted on the meta device (no memory, no compute)."""
-    x = torch.empty((batch, *sample_shape), dtype=dtype, device="meta")
-    with FlopCounterMode(display=False) as counter:
-        model(x).sum().backward()
-    return counter.get_total_flops() / batch

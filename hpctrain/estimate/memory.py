@@ -16,12 +16,14 @@ parallelism split the parameters first: each GPU holds N/(t·p), sharded over dp
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from hpctrain.errors import UserError
 from hpctrain.estimate import activations
 from hpctrain.estimate.model import TransformerShape, count_params
+
+if TYPE_CHECKING:
+    from torch import nn
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 _SHARDED = {"ddp": set(), "zero1": {"optimizer"}, "zero2": {"optimizer", "grads"},

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from hpctrain.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -44,32 +45,5 @@ class TransformerShape:
         return self.layers * self.layer_params + (self.vocab + self.seq_len) * h + 2 * h
 
 
-def meta_model(name: str) -> nn.Module:
-    """Build a registered model (or ``package.module:factory``) without allocating its weights."""
-    from hpctrain.models import build_model
-
-    try:
-        with torch.device("meta"):
-            return build_model(name)
-    except UserError as err:
-        raise UserError(f"--model: {err}") from err
-
-
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def input_shape(name: str) -> tuple[int, ...] | None:
-    """The per-sample input shape a registered model declares; None for user factories."""
-    from hpctrain.models import REGISTRY
-
-    spec = REGISTRY.get(name)
-    return spec.input_shape if spec else None
-
-
-def input_dtype(name: str) -> torch.dtype:
-    """The input dtype a registered model declares (int64 tokens for ``gpt``); float otherwise."""
-    from hpctrain.models import REGISTRY
-
-    spec = REGISTRY.get(name)
-    return spec.input_dtype if spec else torch.float32

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import UserError
-from hpctrain.launch.local import DEFAULT_SHUTDOWN_TIMEOUT_S
+from hpctrain.launch import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def add_parser(sub: Any) -> None:
@@ -41,13 +41,15 @@ def _add_run(sub: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from hpctrain.checkpoint.preempt import launcher_exit_code
-    from hpctrain.cli import _config, build_parser
+    from hpctrain.config import config_from_args
     from hpctrain.launch.local import launch
 
     rest = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     if not rest or rest[0] not in ("train", "eval"):
         rest = ["train", *rest]
-    cfg = _config(build_parser().parse_args(rest))  # fail here, once, not in N ranks
+    # Fail here, once, not in N ranks: the ranks' command line checked by the CLI's own parser
+    # (handed in by hpctrain.cli, which imports this module, not the other way round).
+    cfg = config_from_args(args.parse_command(rest).config_args)
     started = time.time()
     code = launch(args.nproc, rest, max_restarts=args.max_restarts, nnodes=args.nnodes, node_rank=args.node_rank,
                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, signals=cfg.checkpoint.signals,
@@ -178,12 +180,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def _doctor_paths(config_args: list[str]) -> tuple[Path | None, Path | None, bool]:
     if not config_args:
         return None, None, False
-    from hpctrain.cli import _split_config_args
-    from hpctrain.config import load_config
+    from hpctrain.config import config_from_args
     from hpctrain.rundir import resolve_run_dir
 
-    path, overrides = _split_config_args(config_args)
-    cfg = load_config(path, overrides)
+    cfg = config_from_args(config_args)
     stage = cfg.data.stage_dir
     return (resolve_run_dir(cfg.run.dir, cfg), Path(cfg.data.path) if cfg.data.path else None,
             stage is not None and stage != "off")

@@ -17,6 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hpctrain._version import __version__
+from hpctrain.env import EnvError, detect
+
 NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "cephfs", "ceph", "glusterfs", "panfs",
               "fuse.sshfs", "fuse.glusterfs", "wekafs", "9p"}
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
@@ -29,8 +32,6 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 def versions() -> dict[str, Any]:
     import torch
-
-    from hpctrain import __version__
 
     facts: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "hpctrain": __version__,
                              "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
@@ -56,8 +57,6 @@ def gpus() -> list[dict[str, Any]]:
 
 
 def cluster(environ: Mapping[str, str]) -> dict[str, Any]:
-    from hpctrain.env import EnvError, detect
-
     try:
         env = detect(environ)
     except EnvError as err:

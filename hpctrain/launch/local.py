@@ -23,9 +23,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
+from hpctrain.launch import DEFAULT_SHUTDOWN_TIMEOUT_S
+
 # What torch handles by default, plus the usual preemption warnings.
 BASE_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-DEFAULT_SHUTDOWN_TIMEOUT_S = 300
 # Newer torchrun options: a cluster's own torch build may predate them (torch 2.11 has no
 # --shutdown-timeout), and an unknown option would stop torchrun before any rank starts.
 VERSIONED_OPTIONS = ("--signals-to-handle", "--shutdown-timeout")

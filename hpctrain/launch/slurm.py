@@ -15,18 +15,22 @@ and its checkpoints live together. The chain it sets up on preemption:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import shlex
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpctrain.checkpoint import layout
 from hpctrain.errors import UserError
 from hpctrain.launch.container import Container, Runtime, unique_paths
+from hpctrain.rundir import atomic_write_text, check_run_dir, resolve_run_dir, write_json
 
 SCRIPT_NAME = "hpctrain.sbatch"
 JOBS_FILE = "slurm-jobs.json"
@@ -177,8 +181,6 @@ def signal_lead(opts: SlurmOptions, time_s: int, run_dir: Path) -> int:
 
 def measured_save_s(run_dir: Path) -> float | None:
     """The save time recorded in the newest committed checkpoint's manifest, if any."""
-    from hpctrain.checkpoint import layout
-
     found = layout.committed(layout.checkpoints_dir(run_dir))
     if not found:
         return None
@@ -195,9 +197,7 @@ def measured_save_s(run_dir: Path) -> float | None:
 def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, str] | None = None,
              workdir: Path | None = None) -> JobPlan:
     """Validate options and config together; nothing is written before this returns."""
-    from hpctrain.cli import _split_config_args
-    from hpctrain.config import check_world, load_config
-    from hpctrain.rundir import check_run_dir, resolve_run_dir
+    from hpctrain.config import check_world, load_config, split_config_args  # here: `slurm status` needs none
 
     environ = os.environ if environ is None else environ
     workdir = (workdir or Path.cwd()).resolve()
@@ -205,7 +205,7 @@ def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, s
     _check_words(opts)
     gpus, nproc = _gpus_and_procs(opts)
     time_s = parse_time(opts.time)
-    path, overrides = _split_config_args(config_args)
+    path, overrides = split_config_args(config_args)
     cfg = load_config(path, overrides)
     check_world(cfg, opts.nodes * nproc)
     run_dir = (workdir / resolve_run_dir(cfg.run.dir, cfg)).resolve()
@@ -319,8 +319,6 @@ def _outcome(plan: JobPlan) -> list[str]:
 
 
 def write_script(plan: JobPlan, text: str) -> Path:
-    from hpctrain.rundir import atomic_write_text
-
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     path = plan.run_dir / SCRIPT_NAME
     atomic_write_text(path, text)
@@ -329,8 +327,6 @@ def write_script(plan: JobPlan, text: str) -> Path:
 
 
 def read_jobs(run_dir: Path) -> list[dict[str, Any]]:
-    import json
-
     try:
         return list(json.loads((run_dir / JOBS_FILE).read_text())["jobs"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -338,10 +334,6 @@ def read_jobs(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def record_job(run_dir: Path, job_id: str, script: Path, nodes: int) -> None:
-    import time
-
-    from hpctrain.rundir import write_json
-
     jobs = [*read_jobs(run_dir), {"job_id": job_id, "script": str(script), "nodes": nodes,
                                   "submitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
     write_json(run_dir / JOBS_FILE, {"jobs": jobs})

@@ -123,6 +123,8 @@ def _check_logits(out: Any, name: str, batch: int, num_classes: int) -> None:
                          "factory take num_classes")
     if not out.is_floating_point():
         raise ModelError(f"model.name={name!r} returned {out.dtype} outputs; expected float logits")
+    if out.is_meta:  # built on the meta device (FLOP counting, meta init): shapes only, no values to look at
+        return
     if bool((out >= 0).all()) and torch.allclose(out.float().sum(1).cpu(), torch.ones(batch), atol=1e-4):
         log.warning("model.name=%s seems to end in softmax (outputs sum to 1): cross-entropy expects logits or "
                     "log_softmax outputs; hint: return log_softmax (or the logits)", name)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from hpctrain.parallel.fsdp import shard_units
+from hpctrain.parallel.units import shard_units
 
 # Outputs worth keeping: recomputing them costs a matmul; everything else is cheap to redo.
 _SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,

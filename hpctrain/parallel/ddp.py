@@ -1,4 +1,5 @@
-"""DistributedDataParallel with its knobs from ``parallel.*``."""
+"""``parallel.strategy=ddp``: DistributedDataParallel with its knobs from ``parallel.*``; a
+whole model on every rank, gradients all-reduced (skipped on inner micro-steps of accumulation)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpctrain.parallel.base import Strategy
 from hpctrain.parallel.config import ParallelConfig
 
 
@@ -29,12 +31,16 @@ def wrap_ddp(model: nn.Module, cfg: ParallelConfig) -> DistributedDataParallel:
     )
 
 
-def no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager[None]:
-    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on inner micro-steps of accumulation."""
-    from hpctrain.parallel.fsdp import FSDPModule, fsdp_no_sync
+class DDP(Strategy):
+    """Replicas over the data-parallel ranks (tensor parallel inside them when ``parallel.tp > 1``)."""
 
-    if skip and isinstance(model, DistributedDataParallel):
-        return model.no_sync()
-    if skip and isinstance(model, FSDPModule):
-        return fsdp_no_sync(model)
-    return contextlib.nullcontext()
+    name = "ddp"
+
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        if self.plan.dp == 1:
+            return model  # nothing to replicate (e.g. tp over the whole world)
+        return wrap_ddp(model, self.cfg)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        model = self.model
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()

@@ -1,9 +1,10 @@
-"""DeepSpeed ZeRO stage 1-3 from hpctrain's config (the ``deepspeed`` extra).
+"""``parallel.strategy=deepspeed``: DeepSpeed ZeRO stage 1-3 from hpctrain's config (the
+``deepspeed`` extra).
 
 DeepSpeed owns the optimizer step, the gradient reduction and (stage 3) the parameter
-gathering, so the loop calls :class:`DeepSpeedStep` (``step(inputs, targets) -> loss``):
-forward, ``engine.backward`` (which divides by the accumulation steps itself) and
-``engine.step`` (which steps the optimizer only at an accumulation boundary).
+gathering, so the strategy's micro-step runs forward, ``engine.backward`` (which divides by
+the accumulation steps itself) and ``engine.step`` (which steps the optimizer only at an
+accumulation boundary); its optimizer step does nothing.
 
 An lr schedule is handed to DeepSpeed (``deepspeed.initialize(lr_scheduler=...)``), which
 steps it with the optimizer, at the end of each accumulation window. Checkpoints are
@@ -25,7 +26,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +34,16 @@ from torch import nn
 from hpctrain.cache import cache_root
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import RunError, UserError
+from hpctrain.parallel.base import Factory, LossFn, Strategy, _nothing
+from hpctrain.parallel.config import ParallelConfig
+from hpctrain.parallel.meta import on_meta
+from hpctrain.parallel.state import ModelState
+from hpctrain.precision import Precision
+from hpctrain.weights.export import Source, dict_source
+
+if TYPE_CHECKING:
+    from hpctrain.config import Config
+    from hpctrain.parallel.plan import Plan
 
 INSTALL_HINT = ("pip install -c <(echo torch==$(python -c 'import torch; print(torch.__version__)')) "
                 "'hpctrain[deepspeed]'  (the constraint keeps pip from replacing your torch)")
@@ -119,19 +130,116 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class DeepSpeedStep:
-    """``step(inputs, targets) -> loss``: one micro-batch through the engine (forward,
-    backward, and the optimizer step when it closes an accumulation window)."""
+class DeepSpeed(Strategy):
+    """The DeepSpeed engine around the model (activation checkpointing and compile applied first)
+    and hpctrain's torch optimizer; the lr schedule is handed to the engine, which steps it."""
 
-    def __init__(self, engine: Any, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self.engine, self.loss_fn = engine, loss_fn
+    name = "deepspeed"
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(self.engine(inputs), targets)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.detach()
+    @classmethod
+    def checkpoint_format(cls, cfg: ParallelConfig) -> str:
+        return "deepspeed"
 
+    @classmethod
+    def check(cls, cfg: Config, plan: Plan) -> None:
+        super().check(cfg, plan)
+        """DeepSpeed importable, with the install hint (a UserError), before the process group."""
+        import_deepspeed()
+
+    def setup(self, factory: Factory, *, loss_fn: LossFn,
+              make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+              make_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler | None],
+              ) -> None:
+        self.loss_fn = loss_fn
+        model = self.build_model(factory)  # no data-parallel wrapper: the engine is one
+        self.optimizer = make_optimizer(model)
+        self.scheduler = make_scheduler(self.optimizer)  # the engine steps it (once per accumulation window)
+        self.model = init_deepspeed(model, self.optimizer, env=self.env, stage=self.cfg.deepspeed_stage,
+                                    micro_batch=self.plan.micro_batch, grad_accum=self.plan.grad_accum,
+                                    clip_grad_norm=self.max_norm or 0.0, precision=self.precision_mode,
+                                    scheduler=self.scheduler)
+        self.scheduler = None  # stepped by the engine, saved in DeepSpeed's checkpoint
+        self.precision = Precision(self.precision_mode, self.device, scaler=None)  # DeepSpeed scales fp16 itself
+        self._holds_part = True
+        self.whole = on_meta(factory)
+
+    def micro_step(self, inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None, *, sync: bool,
+                   accum: int, forward_done: Callable[[], None] = _nothing) -> torch.Tensor:
+        assert self.loss_fn is not None, "setup() first"
+        engine: Any = self.model
+        loss = self.loss_fn(engine(inputs), targets, None)
+        forward_done()
+        engine.backward(loss)
+        engine.step()  # the optimizer steps (and clips) when this closes an accumulation window
+        loss = loss.detach()
+        return loss / accum if accum > 1 else loss
+
+    def optimizer_step(self) -> None:
+        """The engine clipped and stepped in the window's last micro-step."""
+
+    def checkpoint_state(self) -> ModelState:
+        assert self.optimizer is not None, "setup() first"
+        return DeepSpeedState(self.model, self.optimizer)
+
+    def export_source(self) -> Source:
+        """ZeRO-3: DeepSpeed's own gather, to rank 0; ZeRO-1/2 keep whole parameters on every rank."""
+        engine: Any = self.model
+        zero3 = engine.zero_optimization_stage() == 3
+        return dict_source(deepspeed_full_state(self.model, self.env) if self.env.is_main or zero3 else {})
+
+
+def deepspeed_full_state(engine: Any, env: ClusterEnv) -> dict[str, torch.Tensor]:
+    """The whole model's state on rank 0's CPU: ZeRO-3 gathers its partitioned parameters (every
+    rank calls it); ZeRO-1/2 keep whole parameters on every rank."""
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # DeepSpeed's own gather, to rank 0
+        return {k: v.detach().cpu() for k, v in state.items()} if env.is_main and state else {}
+    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
+
+
+class DeepSpeedState:
+    """Model + optimizer as DeepSpeed saves them: its own files, every rank its ZeRO partitions."""
+
+    format = "deepspeed"
+    strategy = "deepspeed"
+
+    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer) -> None:
+        self.engine, self.optimizer = engine, optimizer
+
+    def gather(self) -> None:
+        pass
+
+    def save(self, directory: Path) -> None:
+        save_engine(self.engine, directory)
+
+    def files(self, directory: Path, rank: int) -> list[Path]:
+        return engine_files(directory, rank)
+
+    def load(self, directory: Path) -> None:
+        load_engine(self.engine, directory)
+
+    def check_world(self, saved_world: int, world: int, path: Path) -> None:
+        check_world(saved_world, world, path)
+
+    def live_tensors(self) -> dict[str, torch.Tensor] | None:
+        return None
+
+    def step_storages(self) -> set[int]:
+        return set()
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.engine.module.parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("DeepSpeed state is saved by DeepSpeed (format=deepspeed)")
+
+    sharded_state_dict = state_dict
+
+    def load_state_dict(self, state: dict[str, Any], source: Any = None) -> None:
+        raise NotImplementedError("DeepSpeed state is loaded by DeepSpeed (format=deepspeed)")
+
+    def load_sharded(self, path: str, group: Any) -> None:
+        raise NotImplementedError("DeepSpeed state is loaded by DeepSpeed (format=deepspeed)")
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded over the
+"""``parallel.strategy=fsdp`` / ``hsdp``. FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded over the
 data-parallel mesh. One unit per transformer block (per child module for other models),
 then the root, so only one unit's full parameters exist at a time.
 
@@ -18,15 +18,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from hpctrain.parallel.base import Factory, Strategy
+from hpctrain.parallel.config import ParallelConfig
+from hpctrain.parallel.units import shard_units
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded one by one: the transformer blocks, else the direct children that hold parameters."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList) and len(blocks):
-        return list(blocks)
-    return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
 def mixed_precision(param_dtype: str = "fp32", reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
@@ -75,3 +71,56 @@ def sharded_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     return ShardedGradScaler(device=device.type)
+
+
+class FSDP(Strategy):
+    """FSDP2 over the data-parallel mesh (HSDP on a (replicate, shard) mesh); tensor parallel
+    inside when ``parallel.tp > 1``. Checkpoints: every rank its shards (DCP)."""
+
+    name = "fsdp"
+    offload = False  # parameters, gradients and optimizer state in host memory (fsdp_offload.py)
+
+    @classmethod
+    def checkpoint_format(cls, cfg: ParallelConfig) -> str:
+        return "dcp"
+
+    def _build_mesh(self) -> DeviceMesh | None:
+        if not self.env.distributed:
+            return None
+        from hpctrain.parallel.mesh import build_mesh
+
+        p = self.plan
+        return build_mesh(world=p.world_size, dp=p.dp, tp=p.tp, pp=p.pp, device_type=self.device.type,
+                          dp_replicate=p.dp_replicate)
+
+    def build_model(self, factory: Factory) -> nn.Module:
+        """With ``parallel.meta_init``: built on meta, sharded, then given rank 0's one-process
+        init, so no rank ever holds the whole model on the device."""
+        if not (self.cfg.meta_init and self.env.distributed):
+            return super().build_model(factory)
+        from hpctrain.parallel.meta import materialize, on_meta
+
+        model = self.parallelize(on_meta(factory))
+        # Offloaded shards live in host memory; FSDP moves each to the device when it is gathered.
+        materialize(model, device=torch.device("cpu") if self.offload else self.device, factory=factory, seed=self.seed)
+        return model
+
+    def compiled(self, model: nn.Module) -> nn.Module:
+        if self.compile:
+            for unit in shard_units(model):  # per block, in place: FSDP then shards compiled blocks
+                unit.compile()
+        return model
+
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        if self.plan.dp == 1:
+            return model
+        from hpctrain.parallel.config import resolve_param_dtype
+        from hpctrain.parallel.mesh import dp_mesh
+
+        assert self.mesh is not None
+        return apply_fsdp(model, mesh=dp_mesh(self.mesh), reshard_after_forward=self.cfg.reshard_after_forward,
+                          param_dtype=resolve_param_dtype(self.cfg, self.precision_mode),
+                          reduce_dtype=self.cfg.reduce_dtype, cpu_offload=self.offload)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return fsdp_no_sync(self.model)

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hpctrain.checkpoint.state import CheckpointMismatchError
 from hpctrain.parallel.pipeline import PipelineStep
+from hpctrain.parallel.state import FLAT, ShardedState, optimizer_flattened
 
-# flatten_optimizer_state_dict: keys "state.<param name>.<key>" and "param_groups.<param name>.<key>"
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _OPTIM_SECTIONS = ("state", "param_groups")
 
 
@@ -54,3 +54,25 @@ def load_pipeline_state(step: PipelineStep, optimizer: torch.optim.Optimizer, pa
     set_state_dict(step.model, optimizer, options=FLAT,
                    model_state_dict={k: model_global[g] for g, k in model_names.items()},
                    optim_state_dict={k: optim_global[g] for g, k in optim_names.items()})
+
+
+class PipelineState(ShardedState):
+    """A pipeline rank's stage(s) and their optimizer, checkpointed under the whole model's names."""
+
+    def __init__(self, step: PipelineStep, optimizer: torch.optim.Optimizer, strategy: str) -> None:
+        super().__init__(step.model, optimizer, strategy)
+        self.step = step
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return pipeline_state(self.step, self.optimizer)
+
+    def load_sharded(self, path: str, group: Any) -> None:
+        if not optimizer_flattened(path):
+            raise CheckpointMismatchError(f"checkpoint {path} holds the optimizer in the older nested layout, which "
+                                          "pipeline stages cannot split; hint: resume it without parallel.pp")
+        load_pipeline_state(self.step, self.optimizer, path, group)
+
+    def load_state_dict(self, state: dict[str, Any], source: Any = None) -> None:
+        raise CheckpointMismatchError(f"checkpoint {source} holds the whole model (checkpoint.format=torch), which "
+                                      "pipeline stages cannot split; hint: resume it without parallel.pp, then save "
+                                      "with checkpoint.format=dcp")

@@ -12,6 +12,8 @@ all-reduces per block become an all-gather plus a reduce-scatter.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -23,6 +25,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+if TYPE_CHECKING:
+    from hpctrain.config import Config
+    from hpctrain.parallel.plan import Plan
 
 COLUMN = ("q", "k", "v", "up")  # split the output features
 ROW = ("o", "down")  # split the input features, sum the partial outputs
@@ -106,3 +112,34 @@ def _check_divisible(name: str, module: nn.Module, tp: int) -> None:
     if isinstance(head_dim, int) and isinstance(q, nn.Linear) and (q.out_features // tp) % head_dim:
         raise ValueError(f"{name} has {q.out_features // head_dim} heads, not divisible by tp={tp} "
                          "(each rank computes whole heads)")
+
+
+def check_tensor_parallel(cfg: Config, plan: Plan) -> None:
+    """parallel.tp > 1 splits the q/k/v/o/up/down Linears of the model's ``blocks`` (the gpt's):
+    any other model, or widths tp does not divide, fails here, before the process group. The
+    model is built on meta (no memory)."""
+    from hpctrain.models import build_model
+    from hpctrain.parallel.config import SHARDED
+    from hpctrain.parallel.meta import on_meta
+    from hpctrain.section import ConfigError
+
+    p, name = cfg.parallel, cfg.model.name
+    if cfg.precision == "fp16" and (plan.dp == 1 or p.strategy not in SHARDED):
+        # without FSDP over dp the embedding, norms and head stay plain tensors beside the DTensor
+        # blocks, and the fp16 scaler's unscale cannot take both in one call
+        raise ConfigError(f"precision=fp16 with parallel.tp={p.tp} needs data parallelism under "
+                          f"parallel.strategy=fsdp or hsdp (got dp={plan.dp}, strategy={p.strategy}); hint: "
+                          "precision=bf16 (no loss scaling needed), or more ranks with parallel.strategy=fsdp")
+    if cfg.train.compile and p.activation_checkpointing != "none":
+        # torch 2.13's compiled activation checkpointing saves the DTensors' DeviceMesh for its
+        # version check and fails in the first backward (found running tp2 + block + compile)
+        raise ConfigError(f"parallel.tp={p.tp} with train.compile=true and parallel.activation_checkpointing="
+                          f"{p.activation_checkpointing} fails inside torch.compile (DTensor in a checkpointed "
+                          "region); hint: parallel.activation_checkpointing=none, or train.compile=false")
+    model = on_meta(lambda: build_model(name, cfg.model.num_classes or None, config=cfg.model))
+    try:
+        check_tp_model(model, p.tp)
+    except ValueError as err:
+        raise ConfigError(f"parallel.tp={p.tp} cannot split model.name={name}: {err}; hint: tensor parallelism "
+                          "runs on the gpt (or a model with such `blocks`, see docs/parallel.md); for other models "
+                          "use parallel.tp=1 with parallel.strategy=fsdp") from err

@@ -1,15 +1,23 @@
-"""ZeRO-1: the optimizer state sharded over the data-parallel ranks, with DDP (see ddp.py)
-doing the gradient all-reduce. PyTorch's ZeroRedundancyOptimizer owns the sharding: each
-rank steps its share of the parameters, then broadcasts them to the others."""
+"""``parallel.strategy=zero1``: the optimizer state sharded over the data-parallel ranks, with
+DDP (see ddp.py) doing the gradient all-reduce. PyTorch's ZeroRedundancyOptimizer owns the
+sharding: each rank steps its share of the parameters, then broadcasts them to the others."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from hpctrain.parallel.ddp import DDP
+from hpctrain.parallel.state import ModelState, Zero1State
+from hpctrain.section import ConfigError
+
+if TYPE_CHECKING:
+    from hpctrain.config import Config
+    from hpctrain.parallel.plan import Plan
 
 
 def build_zero1(params: Iterable[torch.nn.Parameter], *, optimizer_class: type[torch.optim.Optimizer],
@@ -31,3 +39,25 @@ def zero1_from(optimizer: torch.optim.Optimizer, *, process_group: Any = None) -
     for group in rest:
         zero.add_param_group(dict(group))
     return zero
+
+
+class Zero1(DDP):
+    """DDP's replicas with ZeroRedundancyOptimizer; checkpoints consolidate the state on rank 0."""
+
+    name = "zero1"
+
+    @classmethod
+    def check(cls, cfg: Config, plan: Plan) -> None:
+        super().check(cfg, plan)
+        if cfg.checkpoint.enabled and cfg.checkpoint.format == "dcp" and plan.world_size > 1:
+            raise ConfigError("parallel.strategy=zero1 checkpoints with checkpoint.format=torch (rank 0 writes the "
+                              "optimizer state consolidated from every rank), not dcp; hint: checkpoint.format=torch")
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return zero1_from(optimizer) if self.env.distributed else optimizer
+
+    def checkpoint_state(self) -> ModelState:
+        if not self.env.distributed:
+            return super().checkpoint_state()
+        assert self.optimizer is not None, "setup() first"
+        return Zero1State(self.model, self.optimizer, self.name)

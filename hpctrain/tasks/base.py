@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.data.sources import Batch
-from hpctrain.metrics import EvalOutput, Metric
+from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.precision import Precision
 from hpctrain.telemetry.flops import train_step_flops
 

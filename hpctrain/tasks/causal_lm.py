@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.data.sources import Batch
-from hpctrain.metrics import EvalOutput, Metric
+from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.tasks.base import CrossEntropyTask
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.data.sources import Batch
-from hpctrain.metrics import Metric, default_metrics
+from hpctrain.evaluation.metrics import Metric, default_metrics
 from hpctrain.tasks.base import CrossEntropyTask
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from hpctrain.config import Config, to_dict
 from hpctrain.env import ClusterEnv
+from hpctrain.telemetry.config import TelemetryConfig
 from hpctrain.telemetry.flops import peak_flops
 from hpctrain.telemetry.loggers import LoggerOptions, Loggers, build_loggers
 from hpctrain.telemetry.memory import MemoryProbe
@@ -21,6 +21,19 @@ from hpctrain.telemetry.profiler import StepProfiler
 from hpctrain.telemetry.stragglers import StragglerDetector, StragglerReport, StragglerSchedule
 
 log = logging.getLogger("hpctrain")
+
+
+class BatchShape(Protocol):
+    """The plan's batch fields the meter needs (hpctrain.parallel.plan.Plan has them)."""
+
+    @property
+    def global_batch(self) -> int: ...
+    @property
+    def grad_accum(self) -> int: ...
+    @property
+    def dp(self) -> int: ...
+    @property
+    def flops_divisor(self) -> int: ...
 
 
 @dataclass
@@ -34,21 +47,23 @@ class Telemetry:
     memory: MemoryProbe = field(default_factory=MemoryProbe)  # armed by the loop: the first step's breakdown
 
     @classmethod
-    def build(cls, cfg: Config, env: ClusterEnv, device: torch.device, step: int,
-              run_dir: Path | None = None) -> Telemetry:
+    def build(cls, t: TelemetryConfig, env: ClusterEnv, device: torch.device, step: int, *, batch: BatchShape,
+              precision: str = "fp32", log_every: int = 1, run_dir: Path | None = None,
+              run_config: dict[str, Any] | None = None) -> Telemetry:
         """Every rank (the straggler detector gathers host names once). Without ``run_dir``:
-        measurement only, no loggers and no profiler (parts used in a user's own loop)."""
-        t = cfg.telemetry
-        global_batch = cfg.data.batch_size * env.world_size * cfg.train.grad_accum
-        meter = Meter(global_batch, step, device, cfg.train.grad_accum, env.world_size,
-                      peak=peak_flops(device, cfg.precision, t.peak_tflops), sync_timing=t.sync_timing)
+        measurement only, no loggers and no profiler (parts used in a user's own loop).
+        ``batch``: the run's plan (hpctrain.parallel.plan.Plan) or any object with its batch
+        fields; ``run_config``: the whole config, for the loggers' run parameters."""
+        meter = Meter(batch.global_batch, step, device, batch.grad_accum, batch.dp,
+                      peak=peak_flops(device, precision, t.peak_tflops), sync_timing=t.sync_timing,
+                      flops_divisor=batch.flops_divisor)
         out = cls(meter)
         if env.world_size > 1 and t.straggler_every_steps != 0:
             out.detector = StragglerDetector(t.straggler_threshold)
-            out.schedule = StragglerSchedule(t.straggler_every_steps, step, cfg.train.log_every)
+            out.schedule = StragglerSchedule(t.straggler_every_steps, step, log_every)
         if run_dir is not None:
             options = LoggerOptions(run_name=run_dir.name, experiment=t.experiment, mlflow_uri=t.mlflow_uri,
-                                    wandb_mode=t.wandb_mode, config=to_dict(cfg))
+                                    wandb_mode=t.wandb_mode, config=dict(run_config or {}))
             out.loggers = build_loggers(t.loggers, run_dir, options, is_main=env.is_main)
             if t.profile_steps:
                 out.profiler = StepProfiler(run_dir / "profile", env.rank, *t.profile_steps, first_step=step,

@@ -58,8 +58,9 @@ class Meter:
     """Create once before the loop (``step``: the optimizer steps already done, after a resume).
 
     ``global_batch``: samples per optimizer step over all ranks; ``grad_accum`` and
-    ``world_size`` turn a micro-batch's token count into tokens per step; ``peak``: the
-    device's peak FLOP/s (None: no MFU)."""
+    ``world_size`` (the data-parallel replicas) turn a micro-batch's token count into tokens
+    per step; ``peak``: the device's peak FLOP/s (None: no MFU); ``flops_divisor``: the share
+    of the replica's FLOPs one rank runs (pp x tp: one stage, 1/tp of each block's matmuls)."""
 
     global_batch: int
     step: int
@@ -68,6 +69,7 @@ class Meter:
     world_size: int = 1
     peak: Peak | None = None
     sync_timing: bool = False
+    flops_divisor: int = 1
     step_flops: int | None = None       # one rank's FLOPs per optimizer step (counted on the first batch)
     tokens_per_step: int | None = None  # over all ranks, when the batch says how many tokens it holds
 
@@ -108,7 +110,7 @@ class Meter:
         knows them) or else the batch's ``num_tokens`` attribute, if it has one."""
         self.counted = True
         try:
-            self.step_flops = train_step_flops(model, batch.inputs, grad_accum=self.grad_accum)
+            self.step_flops = train_step_flops(model, batch.inputs, grad_accum=self.grad_accum) // self.flops_divisor
         except Exception as err:  # noqa: BLE001 - an uncountable model only loses its MFU
             log.warning("cannot count the model's FLOPs (%s: %s): MFU is not reported", type(err).__name__, err)
         tokens = tokens if tokens is not None else getattr(batch, "num_tokens", None)

@@ -134,7 +134,7 @@ def test_corrupt_resume_checkpoint_fails_every_rank_alike(trained: Path, tmp_pat
 
 def test_one_rank_failing_to_load_eval_weights_fails_all_ranks(trained: Path, tmp_path: Path) -> None:
     results = _run_ranks(3, ["eval", *BASE, "--weights", str(trained / "model.pt"), "--out", str(tmp_path / "out")],
-                         inject=("hpctrain.eval_job:load_weights", 1))
+                         inject=("hpctrain.evaluation.job:load_weights", 1))
     _all_fail_with(results, "injected failure in load_weights on rank 1")
     assert not (tmp_path / "out" / "eval.json").exists()
 

@@ -19,9 +19,9 @@ from hpctrain.checkpoint.writer import CheckpointWriter
 from hpctrain.cli import main as cli_main
 from hpctrain.config import ConfigError, load_config
 from hpctrain.env import ClusterEnv
-from hpctrain.precision import Precision
 from hpctrain.rundir import RunDirError
-from hpctrain.train import Components, Counters, train
+from hpctrain.train import train
+from tests.ckpt_models import Parts, make_parts
 
 BASE = ["model.name=tests.ckpt_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
         "data.batch_size=16", "data.max_val_samples=32", "train.epochs=2", "train.log_every=1",
@@ -111,26 +111,12 @@ def test_corrupt_newest_is_skipped_by_name(tmp_path: Path, damage: str, caplog: 
 # ---------------------------------------------------------------- failing writes
 
 
-def _parts(seed: int = 0) -> Components:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 8)).sum().backward()
-    optimizer.step()  # optimizer state exists
-    return Components(model, optimizer, None, Precision("fp32", torch.device("cpu")), _Loader(), None, [],
-                      Counters(step=1))
+def _parts(seed: int = 0) -> Parts:
+    return make_parts(seed, step=1)
 
 
-class _Loader:
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": 0, "batches_done": 3}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        pass
-
-
-def _snap(parts: Components):  # type: ignore[no-untyped-def]
-    return snapshot(parts, ClusterEnv(), torch.device("cpu"), {"seed": 0}, {}, "torch")
+def _snap(parts: Parts):  # type: ignore[no-untyped-def]
+    return snapshot(parts.state(), ClusterEnv(), {"seed": 0}, {}, "torch")
 
 
 @pytest.mark.parametrize("failure, where", [(errno.ENOSPC, "tensor bytes"), (errno.EROFS, "small files")])
@@ -218,7 +204,7 @@ def test_async_copies_parameters_before_the_next_optimizer_step(tmp_path: Path,
     for mode in ("sync", "async"):
         parts = _parts()
         cfg = load_config(None, ["checkpoint.every_seconds=None", f"checkpoint.mode={mode}"])
-        ckpt = Checkpointer(cfg, ClusterEnv(), torch.device("cpu"), tmp_path / mode, parts)
+        ckpt = Checkpointer(tmp_path / mode, ClusterEnv(), torch.device("cpu"), cfg.checkpoint, parts.state())
         parts.counters.step = 2
         ckpt.save({})
         parts.model(torch.randn(4, 8)).sum().backward()
@@ -312,7 +298,7 @@ def test_config_errors_name_the_key(override: str, hint: str) -> None:
 def test_checkpointer_in_a_hand_written_loop(tmp_path: Path) -> None:
     parts = _parts()
     cfg = load_config(None, ["checkpoint.every_steps=2", "checkpoint.every_seconds=None"])
-    ckpt = Checkpointer(cfg, ClusterEnv(), torch.device("cpu"), tmp_path, parts)
+    ckpt = Checkpointer(tmp_path, ClusterEnv(), torch.device("cpu"), cfg.checkpoint, parts.state())
     for step in range(2, 5):
         parts.counters.step = step
         assert ckpt.at_step({}) is False

@@ -17,7 +17,7 @@ from hpctrain.checkpoint.checkpointer import Checkpointer
 from hpctrain.checkpoint.state import REPLICATED_TENSORS
 from hpctrain.config import load_config
 from hpctrain.env import ClusterEnv
-from hpctrain.evaluate import write_predictions
+from hpctrain.evaluation.evaluate import write_predictions
 from tests.ckpt_models import make_parts
 
 CPU = torch.device("cpu")
@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 def _checkpointer(run: Path, parts: Any, mode: str = "sync", *extra: str) -> Checkpointer:
     cfg = load_config(None, ["checkpoint.every_seconds=None", f"checkpoint.mode={mode}", "checkpoint.keep_last=5",
                              *extra])
-    ckpt = Checkpointer(cfg, ClusterEnv(), CPU, run, parts)
+    ckpt = Checkpointer(run, ClusterEnv(), CPU, cfg.checkpoint, parts.state())
     ckpt.signals.uninstall()
     return ckpt
 

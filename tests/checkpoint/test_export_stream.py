@@ -1,4 +1,4 @@
-"""The consolidated weights file written one tensor at a time (hpctrain.checkpoint.export):
+"""The consolidated weights file written one tensor at a time (hpctrain.weights.export):
 its .pt is torch.save's format byte for byte and loads with weights_only and mmap; its
 .safetensors loads with the safetensors package and tensorfile; FSDP at world 2 writes the
 same bytes as one process while no rank holds more than one gathered tensor; pipeline stages
@@ -20,7 +20,13 @@ import torch
 from torch import nn
 
 from hpctrain.checkpoint import tensorfile
-from hpctrain.checkpoint.export import (
+from hpctrain.cli import main as cli_main
+from hpctrain.data.text import write_text_shards
+from hpctrain.env import ClusterEnv
+from hpctrain.errors import PeerError, RunError, agree
+from hpctrain.models.gpt import GPT, GPTShape
+from hpctrain.rundir import ParamsHash, param_names, params_sha256, save_model
+from hpctrain.weights.export import (
     ExportError,
     ExportFormatError,
     LiveBytes,
@@ -32,12 +38,6 @@ from hpctrain.checkpoint.export import (
     pipeline_source,
     write_stream,
 )
-from hpctrain.cli import main as cli_main
-from hpctrain.data.text import write_text_shards
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import PeerError, agree
-from hpctrain.models.gpt import GPT, GPTShape
-from hpctrain.rundir import ParamsHash, param_names, params_sha256, save_model
 from tests.dist_utils import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,8 +94,12 @@ def test_params_hash_streams_the_same_digest() -> None:
     for name, tensor in sorted(model.state_dict().items()):
         hasher.update(name, tensor)  # buffers and the tied head's second name are skipped
     assert hasher.hexdigest() == params_sha256(model)
-    with pytest.raises(Exception, match="never came"):
-        ParamsHash(["a", "b"]).hexdigest()
+    short = ParamsHash(["b", "a", "c"])
+    short.update("a", torch.zeros(1))
+    with pytest.raises(RunError, match=r"^params_sha256: 2 parameters never came \(b, c, \.\.\.\)$"):
+        short.hexdigest()  # a digest of fewer tensors would pass for another model's
+    with pytest.raises(RunError, match=r"^params_sha256: parameter 'b' came out of sorted-name order$"):
+        ParamsHash(["a", "b"]).update("b", torch.zeros(1))  # the order is part of the digest
 
 
 def test_live_bytes_counts_tensors_a_consumer_keeps(tmp_path: Path) -> None:

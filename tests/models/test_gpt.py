@@ -75,12 +75,29 @@ def test_init_is_deterministic_from_the_seed_and_reset_parameters_redraws_it():
 
 
 def test_layout_is_what_fsdp_and_tensor_parallel_plans_name():
-    model = GPT(SMALL)
-    assert isinstance(model.blocks, nn.ModuleList)
-    names = dict(model.named_modules())
-    for i in range(2):
-        for proj in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.down"):
-            assert isinstance(names[f"blocks.{i}.{proj}"], nn.Linear)
+    """Read by the plans themselves: tensor parallel's plan of every block is columns on q, k, v,
+    up and rows on o, down, and a block holds no other Linear (nothing left unsplit); the widths
+    are the ones a column/row split needs; FSDP's units are the blocks; the pipeline finds the
+    embeddings registered before ``blocks`` and the final norm and head after it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from hpctrain.parallel.fsdp import shard_units
+    from hpctrain.parallel.tensor import block_plan
+
+    model, h = GPT(SMALL), SMALL.hidden
+    assert isinstance(model.blocks, nn.ModuleList) and len(model.blocks) == SMALL.n_layers
+    columns, rows = ("attn.q", "attn.k", "attn.v", "mlp.up"), ("attn.o", "mlp.down")
+    widths = {"attn.q": (h, h), "attn.k": (h, h), "attn.v": (h, h), "attn.o": (h, h),
+              "mlp.up": (h, 4 * h), "mlp.down": (4 * h, h)}  # (in, out) features
+    for block in model.blocks:
+        styles = {name: type(style) for name, style in block_plan(block).items()}
+        assert styles == {**dict.fromkeys(columns, ColwiseParallel), **dict.fromkeys(rows, RowwiseParallel)}
+        linears = {name: (m.in_features, m.out_features) for name, m in block.named_modules()
+                   if isinstance(m, nn.Linear)}
+        assert linears == widths
+    units = shard_units(model)
+    assert len(units) == SMALL.n_layers and all(u is b for u, b in zip(units, model.blocks))
+    assert [name for name, _ in model.named_children()] == ["tok_emb", "pos_emb", "drop", "blocks", "ln_f", "head"]
 
 
 def test_attention_runs_on_a_head_shard():

@@ -5,12 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.config import load_config
-from hpctrain.data import build_data
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import UserError
 from hpctrain.models import REGISTRY, ModelError, build_model, count_parameters
 from hpctrain.parallel import unwrap
-from hpctrain.train import build_components, fit, seed_everything
+from hpctrain.train import build_components, fit, load_data, seed_everything
 
 CPU = torch.device("cpu")
 TINY = (128,)  # synthetic_tiny's sample shape
@@ -34,12 +33,12 @@ def test_mnist_cnn_matches_the_tutorial_layers():
 
 
 @pytest.mark.parametrize("name, classes", [
-    ("tests.models:tiny_mlp", 3),        # num_classes only
-    ("tests.models:no_args", 10),        # nothing
-    ("tests.models:channels_only", 10),  # in_channels only (required)
-    ("tests.models:both_args", 5),       # both
-    ("tests.models:any_kwargs", 4),      # **kwargs
-    ("tests.models:TinyNet", 6),         # an nn.Module subclass, with an extra defaulted argument
+    ("tests.user_models:tiny_mlp", 3),        # num_classes only
+    ("tests.user_models:no_args", 10),        # nothing
+    ("tests.user_models:channels_only", 10),  # in_channels only (required)
+    ("tests.user_models:both_args", 5),       # both
+    ("tests.user_models:any_kwargs", 4),      # **kwargs
+    ("tests.user_models:TinyNet", 6),         # an nn.Module subclass, with an extra defaulted argument
 ])
 def test_user_models_get_only_the_arguments_they_accept(name, classes):
     model = build_model(name, num_classes=classes, input_shape=TINY)
@@ -47,28 +46,28 @@ def test_user_models_get_only_the_arguments_they_accept(name, classes):
 
 
 def test_token_models_are_checked_with_integer_inputs():
-    model = build_model("tests.models:token_classifier", 4, input_shape=(16,), input_dtype=torch.long)
+    model = build_model("tests.user_models:token_classifier", 4, input_shape=(16,), input_dtype=torch.long)
     assert model(torch.ones(3, 16, dtype=torch.long)).shape == (3, 4)
     with pytest.raises(ModelError, match="does not run"):  # float zeros cannot index an embedding
-        build_model("tests.models:token_classifier", 4, input_shape=(16,))
+        build_model("tests.user_models:token_classifier", 4, input_shape=(16,))
 
 
 def test_kwargs_factory_receives_both_arguments():
-    assert build_model("tests.models:any_kwargs", 4, input_shape=TINY).got == {"num_classes": 4, "in_channels": 128}
+    assert build_model("tests.user_models:any_kwargs", 4, input_shape=TINY).got == {"num_classes": 4, "in_channels": 128}
 
 
 @pytest.mark.parametrize("name, shape, hint", [
     ("vgg", TINY, "is not registered"),
-    ("tests.models:nope", TINY, "has no 'nope'"),
+    ("tests.user_models:nope", TINY, "has no 'nope'"),
     ("no_such_pkg.x:f", TINY, "cannot import 'no_such_pkg.x'"),
-    ("tests.models:", TINY, "package.module:NAME"),
-    ("tests.models:__doc__", TINY, "is a str, not a factory"),
-    ("tests.models:needs_depth", TINY, "requires 'depth'"),
-    ("tests.models:raises", TINY, "raised RuntimeError: CUDA driver not found"),
-    ("tests.models:not_a_module", TINY, "returned a dict, not a torch.nn.Module"),
-    ("tests.models:three_classes", TINY, r"returned shape \(2, 3\) .* expected \(2, 10\)"),
-    ("tests.models:tuple_output", TINY, "returned a tuple from forward"),
-    ("tests.models:tiny_mlp", (3, 32, 32), r"does not run on the data's input shape \(3, 32, 32\)"),
+    ("tests.user_models:", TINY, "package.module:NAME"),
+    ("tests.user_models:__doc__", TINY, "is a str, not a factory"),
+    ("tests.user_models:needs_depth", TINY, "requires 'depth'"),
+    ("tests.user_models:raises", TINY, "raised RuntimeError: CUDA driver not found"),
+    ("tests.user_models:not_a_module", TINY, "returned a dict, not a torch.nn.Module"),
+    ("tests.user_models:three_classes", TINY, r"returned shape \(2, 3\) .* expected \(2, 10\)"),
+    ("tests.user_models:tuple_output", TINY, "returned a tuple from forward"),
+    ("tests.user_models:tiny_mlp", (3, 32, 32), r"does not run on the data's input shape \(3, 32, 32\)"),
     ("mnist_cnn", (3, 32, 32), "does not run on"),
 ])
 def test_wrong_models_are_user_errors_naming_model_name(name, shape, hint):
@@ -93,7 +92,7 @@ def test_the_check_changes_no_state():
 
 def test_softmax_outputs_are_warned_about(caplog):
     with caplog.at_level(logging.WARNING, logger="hpctrain"):
-        build_model("tests.models:softmax_probs", input_shape=TINY)
+        build_model("tests.user_models:softmax_probs", input_shape=TINY)
     assert "seems to end in softmax" in caplog.text
 
 
@@ -117,21 +116,21 @@ def _train(model_name: str) -> tuple[dict[str, torch.Tensor], float]:
                              "data.batch_size=16", "train.max_steps=12", "train.progress=false",
                              "train.eval_each_epoch=false", "optim.lr=0.2"])
     env = ClusterEnv()
-    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU))
+    parts = build_components(cfg, env, CPU, load_data(cfg, env, CPU))
     seed_everything(cfg.seed)
     fit(cfg, env, CPU, parts)
-    from hpctrain.evaluate import evaluate
+    from hpctrain.evaluation.evaluate import evaluate
 
     res = evaluate(parts.model, parts.val_loader, parts.metrics, env, CPU, parts.precision)
     return unwrap(parts.model).state_dict(), res.metrics["loss"]
 
 
 def test_logits_and_log_softmax_models_train_to_the_same_weights():
-    logits_state, logits_loss = _train("tests.models:tiny_mlp")
-    log_probs_state, log_probs_loss = _train("tests.models:tiny_mlp_log_probs")
+    logits_state, logits_loss = _train("tests.user_models:tiny_mlp")
+    log_probs_state, log_probs_loss = _train("tests.user_models:tiny_mlp_log_probs")
     assert logits_state.keys() == log_probs_state.keys()
     for name, tensor in logits_state.items():
         assert torch.allclose(tensor, log_probs_state[name], atol=1e-5), name
     assert abs(logits_loss - log_probs_loss) < 1e-5
-    initial = build_model("tests.models:tiny_mlp")  # and training did move the weights
+    initial = build_model("tests.user_models:tiny_mlp")  # and training did move the weights
     assert not torch.allclose(initial.state_dict()["0.weight"], logits_state["0.weight"], atol=1e-3)

@@ -22,18 +22,18 @@ SCRIPTS = ROOT / "scripts" / "testcluster"
 T = TypeVar("T")
 
 # One tiny job for every cluster test: equal threads per rank (train.threads=1) so that 2 nodes x 1 rank and
-# 1 node x 2 ranks do the same arithmetic; tests.models:slow_mlp is tiny_mlp (same weights) with 20 ms steps,
+# 1 node x 2 ranks do the same arithmetic; tests.user_models:slow_mlp is tiny_mlp (same weights) with 20 ms steps,
 # for the tests that must signal a run while it is surely still training.
 STEPS = 600
 JOB = ["data.name=synthetic_tiny", "data.synthetic_size=2048", "data.batch_size=16", "data.max_val_samples=64",
        "train.epochs=100", f"train.max_steps={STEPS}", "train.log_every=10", "train.progress=false",
        "train.eval_each_epoch=false", "train.threads=1", "checkpoint.every_seconds=null", "checkpoint.every_steps=100",
        "seed=3"]
-FAST, SLOW = "model.name=tests.models:tiny_mlp", "model.name=tests.models:slow_mlp"
+FAST, SLOW = "model.name=tests.user_models:tiny_mlp", "model.name=tests.user_models:slow_mlp"
 
 
 def base_env() -> dict[str, str]:
-    """This environment without launcher or Slurm variables, with the repo importable (tests.models)."""
+    """This environment without launcher or Slurm variables, with the repo importable (tests.user_models)."""
     # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: tests/dist_utils.py pins gloo to `lo` for the
     # one-host tests; inherited here, ranks on two hosts would offer each other 127.0.0.1
     env = {k: v for k, v in os.environ.items()

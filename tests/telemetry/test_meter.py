@@ -4,24 +4,23 @@ straggler schedule; the telemetry config section. Behaviour only, never timings.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hpctrain.config import ConfigError, load_config
-from hpctrain.data import build_data
 from hpctrain.env import ClusterEnv
 from hpctrain.telemetry.flops import Peak
-from hpctrain.telemetry.meter import BACKWARD, DATA, EVAL, FORWARD, OPTIM, Meter
+from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER, Meter
 from hpctrain.telemetry.runs import BREAKDOWN
 from hpctrain.telemetry.stragglers import RankScore, StragglerReport, StragglerSchedule
-from hpctrain.train import build_components, fit, train
+from hpctrain.train import build_components, fit, load_data, train
 
 CPU = torch.device("cpu")
-BASE = ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
+BASE = ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
         "data.batch_size=16", "train.progress=false", "train.log_every=4", "data.max_val_samples=32",
         "train.threads=1"]
 
@@ -38,39 +37,71 @@ class _TokenBatch:
     num_tokens: int
 
 
-def test_laps_fill_the_breakdown_and_mfu_of_a_row():
-    meter = Meter(global_batch=8, step=0, grad_accum=2, world_size=2, peak=Peak(1e15, "test"))
-    model = torch.nn.Linear(4, 3)
-    meter.first_batch(model, _TokenBatch(torch.randn(2, 4), num_tokens=10))
-    assert meter.step_flops == 3 * 2 * 2 * 4 * 3 * 2  # 3 x forward (2 FLOPs per MAC) x 2 micro-batches
-    assert meter.tokens_per_step == 10 * 2 * 2
-    for phase in (DATA, FORWARD, BACKWARD, DATA, FORWARD, BACKWARD, OPTIM):
-        time.sleep(0.001)
+class _Clock:
+    """perf_counter for the meter, moved by hand: each phase takes exactly the seconds given."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, meter: Meter, phase: int, seconds: float) -> None:
+        self.now += seconds
         meter.lap(phase)
-    row = meter.interval(1)
-    assert set(BREAKDOWN) <= set(row) and "time_other_s" in row
-    assert row["time_fwd_bwd_s"] > 0 and row["time_data_s"] > 0 and row["time_optim_s"] > 0
-    assert row["time_eval_s"] == 0 and row["time_ckpt_s"] == 0
-    assert 0 < row["mfu"] <= 1 and row["samples_per_s"] > 0 and row["tokens_per_s"] > 0
-    assert 0 < row["data_wait_share"] < 1 and row["mem_peak_gb"] > 0
-    step_s, data_s, compute_s = meter.straggler_times(1)
-    assert step_s >= data_s + compute_s > 0 and data_s > 0
 
 
-def test_windows_are_independent_and_the_summary_covers_the_run():
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    import hpctrain.telemetry.meter as meter_module
+
+    fake = _Clock()
+    monkeypatch.setattr(meter_module, "time", SimpleNamespace(perf_counter=fake))
+    return fake
+
+
+def test_laps_fill_the_breakdown_and_mfu_of_a_row(clock: _Clock):
+    meter = Meter(global_batch=8, step=0, grad_accum=2, world_size=2, peak=Peak(72.0, "test"))
+    model = torch.nn.Linear(4, 3)
+    clock.now += 0.5  # set-up inside the first step: counted as other
+    meter.first_batch(model, _TokenBatch(torch.randn(2, 4), num_tokens=10))
+    assert meter.step_flops == 3 * 2 * 2 * 4 * 3 * 2  # 3 x forward (2 FLOPs per MAC) x 2 micro-batches = 288
+    assert meter.tokens_per_step == 10 * 2 * 2
+    for phase, seconds in ((DATA, 0.5), (FORWARD, 1.0), (BACKWARD, 2.0),  # two micro-batches, then the step
+                           (DATA, 0.25), (FORWARD, 1.0), (BACKWARD, 2.0), (OPTIM, 0.75)):
+        clock.spend(meter, phase, seconds)
+    row = meter.interval(1)  # one optimizer step in 8 s of wall time
+    assert set(BREAKDOWN) <= set(row)
+    assert {k: row[k] for k in BREAKDOWN} == {"time_data_s": 0.75, "time_fwd_bwd_s": 6.0, "time_optim_s": 0.75,
+                                              "time_ckpt_s": 0.0, "time_eval_s": 0.0, "time_other_s": 0.5}
+    assert row["samples_per_s"] == 8 / 8 and row["tokens_per_s"] == 40 / 8
+    assert row["data_wait_share"] == 0.75 / 8
+    assert row["mfu"] == pytest.approx(288 / 8 / 72.0)  # 36 FLOP/s achieved of 72: 0.5
+    assert row["mem_peak_gb"] > 0
+    assert meter.straggler_times(1) == (8.0, 0.75, 2.0)  # step, data wait, own forward (no backward, no optim)
+    assert meter.data_wait_seconds == 0.75
+
+
+def test_windows_are_independent_and_the_summary_covers_the_run(clock: _Clock):
     meter = Meter(global_batch=4, step=10)
-    time.sleep(0.002)
-    meter.lap(FORWARD)
+    clock.spend(meter, FORWARD, 2.0)
     first = meter.interval(11)
-    time.sleep(0.002)
-    meter.lap(EVAL)
+    for phase, seconds in ((EVAL, 3.0), (CKPT, 0.5), (DATA, 0.25), (OTHER, 0.25)):
+        clock.spend(meter, phase, seconds)
     second = meter.interval(12)
-    assert first["time_eval_s"] == 0 and second["time_eval_s"] > 0 and second["time_fwd_bwd_s"] == 0
-    assert "mfu" not in first  # no peak, no FLOPs: no MFU rather than a wrong one
-    _, _, compute_s = meter.straggler_times(12)  # its own window: both laps since the start
-    assert compute_s > 0
-    summary = meter.summary(12)
-    assert summary["time_fwd_bwd_s"] > 0 and summary["time_eval_s"] > 0 and summary["mem_peak_gb"] > 0
+    assert {k: first[k] for k in BREAKDOWN} == {**dict.fromkeys(BREAKDOWN, 0.0), "time_fwd_bwd_s": 2.0}
+    assert {k: second[k] for k in BREAKDOWN} == {**dict.fromkeys(BREAKDOWN, 0.0), "time_eval_s": 3.0,
+                                                 "time_ckpt_s": 0.5, "time_data_s": 0.25, "time_other_s": 0.25}
+    assert first["samples_per_s"] == 4 / 2 and second["samples_per_s"] == 4 / 4
+    assert "mfu" not in first and "tokens_per_s" not in first  # no peak, no FLOPs: no MFU rather than a wrong one
+    assert meter.straggler_times(12) == (3.0, 0.125, 1.0)  # its own window: both steps since the start
+    summary = meter.summary(12)  # the whole run: 2 steps in 6 s
+    assert {k: summary[k] for k in BREAKDOWN} == {"time_data_s": 0.125, "time_fwd_bwd_s": 1.0, "time_optim_s": 0.0,
+                                                  "time_ckpt_s": 0.25, "time_eval_s": 1.5, "time_other_s": 0.125}
+    assert summary["samples_per_s"] == 8 / 6 and summary["mem_peak_gb"] > 0
+    clock.now += 4.0  # a log row now: steps 12..14 took 4 s of forward; the straggler window is its own
+    clock.spend(meter, FORWARD, 0.0)
+    assert meter.interval(14)["time_fwd_bwd_s"] == 2.0 and meter.straggler_times(14) == (2.0, 0.0, 2.0)
 
 
 def test_a_model_the_counter_cannot_run_only_loses_its_mfu(caplog):
@@ -87,7 +118,7 @@ def test_a_model_the_counter_cannot_run_only_loses_its_mfu(caplog):
 def test_fit_rows_carry_the_breakdown_and_a_cpu_mfu_in_range():
     cfg = load_config(None, [*BASE, "train.max_steps=8", "train.eval_each_epoch=false"])
     env = ClusterEnv()
-    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU, with_val=False))
+    parts = build_components(cfg, env, CPU, load_data(cfg, env, CPU, with_val=False))
     result = fit(cfg, env, CPU, parts)
     tel = result.telemetry
     assert 0 < tel["mfu"] <= 1 and tel["step_flops"] > 0 and tel["peak_tflops"] > 0

@@ -64,7 +64,7 @@ def test_report_of_a_multi_rank_run_writes_every_figure_and_html(tmp_path, capsy
 def test_several_runs_side_by_side_including_a_real_finished_run(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     real = tmp_path / "real"
-    assert main(["train", "data.name=synthetic_tiny", "data.synthetic_size=64", "model.name=tests.models:tiny_mlp",
+    assert main(["train", "data.name=synthetic_tiny", "data.synthetic_size=64", "model.name=tests.user_models:tiny_mlp",
                  "data.batch_size=8", "train.max_steps=6", "train.log_every=2", "train.progress=false",
                  f"run.dir={real}", "checkpoint.enabled=false"]) == 0
     _write_run(tmp_path / "other" / "real", world=2)  # same folder name: told apart by the parent

@@ -1,6 +1,6 @@
 """``hpctrain report --html`` in a real headless browser: the page loads, and its inlined
-figures decode and draw. Skipped, with the reason, where no Chromium-family browser exists
-(``apt-get install chromium``, or ``chromium-headless-shell``)."""
+figures decode and draw. ``scripts/setup.sh --test`` installs Debian's chromium (as root); where
+no Chromium-family browser exists the test skips, with the reason."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def browser() -> str:
         path = shutil.which(name)
         if path:
             return path
-    pytest.skip(f"no headless browser on PATH (looked for {', '.join(BROWSERS)}); "
-                "hint: apt-get install chromium (or chromium-headless-shell)")
+    pytest.skip(f"no headless browser on PATH (looked for {', '.join(BROWSERS)}); hint: as root, "
+                "`bash scripts/setup.sh --test` installs Debian's chromium (or: apt-get install chromium)")
 
 
 def _headless(browser: str, profile: Path, page: Path, *args: str) -> str:
@@ -62,7 +62,7 @@ def report_page(tmp_path, monkeypatch) -> Path:
     """A small finished run's ``report.html``, as a user gets it."""
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
-    assert main(["train", "data.name=synthetic_tiny", "data.synthetic_size=64", "model.name=tests.models:tiny_mlp",
+    assert main(["train", "data.name=synthetic_tiny", "data.synthetic_size=64", "model.name=tests.user_models:tiny_mlp",
                  "data.batch_size=8", "train.max_steps=6", "train.log_every=2", "train.progress=false",
                  f"run.dir={run}", "checkpoint.enabled=false"]) == 0
     assert main(["report", str(run), "--html"]) == 0

@@ -24,8 +24,8 @@ from hpctrain.config import load_config
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.rundir import params_sha256
 from hpctrain.train import train
-from tests.gpt_runs import step_losses
 from tests.checkpoint.test_export_stream import corpus_shards
+from tests.gpt_runs import step_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL, COMPILED_TOL = 1e-5, 1e-4

@@ -9,9 +9,8 @@ import numpy as np
 import torch
 
 from hpctrain.config import load_config
-from hpctrain.data import build_data
 from hpctrain.parallel import unwrap
-from hpctrain.train import build_components, fit
+from hpctrain.train import build_components, fit, load_data
 from tests.dist_utils import launch_env, run_ranks
 
 STEPS = 10
@@ -20,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _cfg(batch_size: int, grad_accum: int, extra: tuple[str, ...]):
     return load_config(None, [
-        "model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=1024",
+        "model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=1024",
         f"data.batch_size={batch_size}", f"train.grad_accum={grad_accum}", f"train.max_steps={STEPS}",
         "train.progress=false", "train.eval_each_epoch=false", "optim.name=sgd", "optim.lr=0.1",
         "optim.momentum=0.9", "optim.schedule=constant", "precision=fp32", "seed=7", *extra,
@@ -30,7 +29,7 @@ def _cfg(batch_size: int, grad_accum: int, extra: tuple[str, ...]):
 def _train_weights(env, batch_size: int, grad_accum: int = 1, extra: tuple[str, ...] = ()) -> dict:
     cfg = _cfg(batch_size, grad_accum, extra)
     device = torch.device("cpu")
-    parts = build_components(cfg, env, device, build_data(cfg, env, device, with_val=False))
+    parts = build_components(cfg, env, device, load_data(cfg, env, device, with_val=False))
     initial = {k: v.detach().clone() for k, v in unwrap(parts.model).state_dict().items()}
     fit(cfg, env, device, parts)
     assert parts.counters.step == STEPS
@@ -68,7 +67,7 @@ def _count_allreduced_backwards(env, grad_accum: int) -> tuple[int, int]:
 
     cfg = _cfg(8, grad_accum, ())
     device = torch.device("cpu")
-    parts = build_components(cfg, env, device, build_data(cfg, env, device, with_val=False))
+    parts = build_components(cfg, env, device, load_data(cfg, env, device, with_val=False))
     reduced = []
 
     def counting_hook(state, bucket):  # bucket 0 is reduced once per synchronized backward
@@ -93,7 +92,7 @@ def _clipped_norms(env, clip: float) -> list[float]:
     """The global gradient norm the optimizer sees at every step (after clipping)."""
     cfg = _cfg(4, 2, (f"train.clip_grad_norm={clip}",))
     device = torch.device("cpu")
-    parts = build_components(cfg, env, device, build_data(cfg, env, device, with_val=False))
+    parts = build_components(cfg, env, device, load_data(cfg, env, device, with_val=False))
     norms: list[float] = []
 
     def record(optimizer, args, kwargs):
@@ -155,14 +154,15 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def test_resume_at_another_world_size_keeps_global_batch_and_losses(tmp_path):
     """World 2 (16 per rank: 2 micro-steps of 8) -> resume at world 4 (8 per rank, 1 micro-step):
     the resumed steps see the same samples per step, so their losses equal the world-2 run's."""
-    from hpctrain.data.shards import npz_source, write_shards
+    from hpctrain.data.files import npz_source
+    from hpctrain.data.writer import write_shards
 
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "data.npz", x=rng.standard_normal((384, 128)).astype(np.float32),
              y=rng.integers(0, 10, 384))
     source = npz_source(str(tmp_path / "data.npz"), "train")
     write_shards(source.samples, tmp_path / "shards", "train", samples_per_shard=100, meta=source.meta)
-    common = ["model.name=tests.models:tiny_mlp", "data.name=shards", f"data.path={tmp_path / 'shards'}",
+    common = ["model.name=tests.user_models:tiny_mlp", "data.name=shards", f"data.path={tmp_path / 'shards'}",
               "data.shuffle=global", "data.global_batch_size=32", "data.batch_size=8", "train.max_steps=8",
               "train.log_every=1", "train.progress=false", "train.eval_each_epoch=false", "train.threads=1",
               "optim.schedule=constant", "optim.lr=0.2", "checkpoint.every_seconds=off", "seed=3"]

@@ -22,8 +22,8 @@ import torch
 from hpctrain.checkpoint import layout
 from hpctrain.errors import EXIT_PREEMPTED
 from tests.checkpoint import test_preempt as preempt
-from tests.gpt_runs import check_ok
 from tests.data.test_text import needs_sdist
+from tests.gpt_runs import check_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 # find_spec, not importorskip: importing DeepSpeed here would pick its accelerator in the test process

@@ -9,25 +9,25 @@ import pytest
 import torch
 
 from hpctrain.config import load_config
-from hpctrain.data import build_data
-from hpctrain.data.sources import FASHION_DIR, load_dataset, load_fashion_mnist, read_idx
+from hpctrain.data.mnist import FASHION_DIR, load_fashion_mnist, read_idx
+from hpctrain.data.sources import load_dataset
 from hpctrain.env import ClusterEnv
 from hpctrain.launch.local import torchrun_args
 from hpctrain.optim import lr_factor, peak_lr
 from hpctrain.parallel import unwrap
 from hpctrain.precision import Precision
 from hpctrain.rundir import params_sha256
-from hpctrain.train import build_components, fit, seed_everything
+from hpctrain.train import build_components, fit, load_data, seed_everything
 
 CPU = torch.device("cpu")
 
 
 def _run(*overrides: str):
-    cfg = load_config(None, ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny",
+    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny",
                              "data.synthetic_size=512", "data.batch_size=16", "train.max_steps=8",
                              "train.progress=false", "train.eval_each_epoch=false", *overrides])
     env = ClusterEnv()
-    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU, with_val=False))
+    parts = build_components(cfg, env, CPU, load_data(cfg, env, CPU, with_val=False))
     seed_everything(cfg.seed)
     fit(cfg, env, CPU, parts)
     return parts
@@ -84,11 +84,11 @@ def test_deterministic_runs_repeat_bit_for_bit():
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_clip_grad_norm_limits_the_norm_the_optimizer_sees(precision):
     """Fails if clipping does nothing, or (fp16) clips the loss-scaled gradients before unscaling."""
-    cfg = load_config(None, ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=512",
+    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=512",
                              "data.batch_size=16", "train.max_steps=4", "train.progress=false",
                              "train.eval_each_epoch=false", "train.clip_grad_norm=0.01", f"precision={precision}"])
     env = ClusterEnv()
-    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU, with_val=False))
+    parts = build_components(cfg, env, CPU, load_data(cfg, env, CPU, with_val=False))
     norms: list[float] = []
     parts.optimizer.register_step_pre_hook(lambda opt, args, kwargs: norms.append(_grad_norm(opt)))
     fit(cfg, env, CPU, parts)
@@ -103,11 +103,11 @@ def _grad_norm(optimizer: torch.optim.Optimizer) -> float:
 def test_resume_mid_accumulation_keeps_whole_optimizer_steps():
     """A loader resumed at an odd micro-batch (another world size's step boundary): every optimizer
     step still takes exactly grad_accum micro-batches, each counted from the resume point."""
-    cfg = load_config(None, ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
+    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
                              "data.batch_size=16", "train.grad_accum=2", "train.progress=false",
                              "train.eval_each_epoch=false", "train.log_every=1000"])
     env = ClusterEnv()
-    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU, with_val=False))
+    parts = build_components(cfg, env, CPU, load_data(cfg, env, CPU, with_val=False))
     parts.train_loader.load_state_dict({"epoch": 0, "batches_done": 3})  # 16 batches: 3 done, 13 left
     micro_batches: list[int] = []
     forwards = [0]
@@ -204,11 +204,11 @@ def test_best_is_tracked_in_training():
     from hpctrain.telemetry.loop import Telemetry
     from hpctrain.train import Loop, _validate
 
-    cfg = load_config(None, ["model.name=tests.models:tiny_mlp", "data.name=synthetic_tiny",
+    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny",
                              "data.synthetic_size=256", "train.progress=false", "train.best_metric=val_loss"])
     env = ClusterEnv()
-    parts = build_components(cfg, env, CPU, build_data(cfg, env, CPU))
-    loop = Loop(cfg, env, CPU, parts, Telemetry.build(cfg, env, CPU, 0))
+    parts = build_components(cfg, env, CPU, load_data(cfg, env, CPU))
+    loop = Loop(cfg, env, CPU, parts, Telemetry.build(cfg.telemetry, env, CPU, 0, batch=parts.plan))
     _validate(loop)
     result = loop.result
     assert result.best["metric"] == "val_loss" and result.best["value"] == result.last_eval.metrics["loss"]

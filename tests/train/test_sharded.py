@@ -22,12 +22,12 @@ from hpctrain.config import ConfigError, load_config
 from hpctrain.env import ClusterEnv
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.parallel.deepspeed import DeepSpeedMissing
+from hpctrain.parallel.plan import make_plan
 from hpctrain.rundir import params_sha256
-from hpctrain.strategy import check_strategy
 from hpctrain.train import train
 from tests.checkpoint import test_preempt as preempt
-from tests.gpt_runs import assert_close, check_ok, step_losses
 from tests.data.test_text import needs_sdist
+from tests.gpt_runs import assert_close, check_ok, step_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = needs_sdist
@@ -195,22 +195,22 @@ def test_strategies_not_in_the_loop_fail_before_start(shards: Path, tmp_path: Pa
     two = ClusterEnv(world_size=2, local_world_size=2)
     tied = load_config(None, [*BASE, "parallel.pp=2", "checkpoint.enabled=false"])
     with pytest.raises(ConfigError, match="hint: model.tie_weights=false"):
-        check_strategy(tied, two)
+        make_plan(tied, two)
     untied = load_config(None, [*BASE, "parallel.pp=2", "model.tie_weights=false"])
     with pytest.raises(ConfigError, match=r"strategy=ddp with dp=2 x tp=1 x pp=2 is not supported"):
-        check_strategy(untied, ClusterEnv(world_size=4, local_world_size=4))
+        make_plan(untied, ClusterEnv(world_size=4, local_world_size=4))
     deepspeed = load_config(None, [*BASE, "parallel.strategy=deepspeed"])
-    check_strategy(deepspeed, two)  # checkpoints and lr schedules run under DeepSpeed now (tests/train/test_deepspeed.py)
+    make_plan(deepspeed, two)  # checkpoints and lr schedules run under DeepSpeed now (tests/train/test_deepspeed.py)
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: a UserError with the install hint
     with pytest.raises(DeepSpeedMissing, match=r"hint: pip install .*hpctrain\[deepspeed\]"):
-        check_strategy(deepspeed, two)
+        make_plan(deepspeed, two)
     tensor = load_config(None, [*BASE, "model.name=resnet18", "parallel.strategy=fsdp", "parallel.tp=2"])
     with pytest.raises(ConfigError, match="parallel.tp=2 cannot split model.name=resnet18"):
-        check_strategy(tensor, two)  # tp runs in the loop now (tests/train/test_tp.py), on the gpt's blocks
+        make_plan(tensor, two)  # tp runs in the loop now (tests/train/test_tp.py), on the gpt's blocks
     zero1 = load_config(None, [*BASE, "parallel.strategy=zero1", "checkpoint.format=dcp"])
     with pytest.raises(ConfigError, match="hint: checkpoint.format=torch"):
-        check_strategy(zero1, two)
-    check_strategy(zero1, ClusterEnv())  # one process: nothing to split
+        make_plan(zero1, two)
+    make_plan(zero1, ClusterEnv())  # one process: nothing to split
     proc = _run(2, shards, tmp_path / "z", "parallel.strategy=zero1", "checkpoint.format=dcp")
     assert proc.returncode != 0 and "zero1 checkpoints with checkpoint.format=torch" in proc.stderr
     assert not (tmp_path / "z").exists()  # failed before anything was written

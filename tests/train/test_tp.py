@@ -16,18 +16,18 @@ import torch
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.data.memory import EvalLoader
-from hpctrain.data.sources import synthetic
+from hpctrain.data.synthetic import synthetic
 from hpctrain.env import ClusterEnv
-from hpctrain.evaluate import evaluate
-from hpctrain.metrics import default_metrics
+from hpctrain.evaluation.evaluate import evaluate
+from hpctrain.evaluation.metrics import default_metrics
 from hpctrain.parallel import mesh_for
 from hpctrain.parallel.mesh import dp_group
-from hpctrain.strategy import check_strategy, data_env
+from hpctrain.parallel.plan import make_plan
 from hpctrain.train import train
+from tests.data.test_text import needs_sdist
 from tests.dist_utils import ROOT, launch_env, run_ranks
 from tests.gpt_runs import assert_close, check_ok, read_summary, step_losses
-from tests.models import tiny_mlp
-from tests.data.test_text import needs_sdist
+from tests.user_models import tiny_mlp
 
 TOL = 1e-5
 STEPS = 6
@@ -78,18 +78,22 @@ def tp2(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+def _data_env(cfg, env):  # type: ignore[no-untyped-def]
+    return make_plan(cfg, env)[1].data_env(env)
+
+
 def test_data_env_is_the_dp_coordinate() -> None:
     """The data sees one rank per replica ((pp, dp, tp) mesh, tp innermost); node fields stay the
     process's own, so node-once staging still runs on each node's local rank 0."""
     cfg = load_config(None, [*BASE, "parallel.strategy=fsdp", "parallel.tp=2"])
-    envs = [data_env(cfg, ClusterEnv(rank=r, local_rank=r % 2, world_size=4, local_world_size=2, node_rank=r // 2,
+    envs = [_data_env(cfg, ClusterEnv(rank=r, local_rank=r % 2, world_size=4, local_world_size=2, node_rank=r // 2,
                                      num_nodes=2)) for r in range(4)]
     assert [(e.rank, e.world_size) for e in envs] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert [(e.local_rank, e.local_world_size, e.node_rank, e.num_nodes) for e in envs] == [
         (0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
     plain = load_config(None, BASE)
     env = ClusterEnv(rank=3, local_rank=3, world_size=4, local_world_size=4)
-    assert data_env(plain, env) is env
+    assert _data_env(plain, env) is env
 
 
 @needs_sdist
@@ -140,7 +144,7 @@ def _eval_replicas(env: ClusterEnv) -> dict:
     mesh = mesh_for(env, cfg.parallel)[1]
     torch.manual_seed(0)
     model, data = tiny_mlp(10), synthetic("val", 101, (128,), seed=1)
-    result = evaluate(model, EvalLoader(data, data_env(cfg, env), 8), default_metrics(10), env, torch.device("cpu"),
+    result = evaluate(model, EvalLoader(data, _data_env(cfg, env), 8), default_metrics(10), env, torch.device("cpu"),
                       collect_predictions=True, group=dp_group(mesh))
     return {"count": result.metrics["count"], "correct": result.metrics["correct"],
             "keys": [row["key"] for row in result.predictions]}
@@ -179,18 +183,18 @@ def test_tp_checks_name_the_numbers() -> None:
     two = ClusterEnv(world_size=2, local_world_size=2)
     cnn = load_config(None, ["model.name=simple_cnn", "data.name=synthetic_cifar", "parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"parallel.tp=2 cannot split model.name=simple_cnn: .* SimpleCNN has none"):
-        check_strategy(cnn, two)
+        make_plan(cnn, two)
     heads = load_config(None, [*BASE, "model.heads=1", "model.hidden=32", "parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"model.name=gpt: blocks.0.attn has 1 heads, not divisible by tp=2"):
-        check_strategy(heads, two)
+        make_plan(heads, two)
     three = ClusterEnv(world_size=3, local_world_size=3)
     with pytest.raises(ConfigError, match=r"= 2 != world size 3"):
-        check_strategy(load_config(None, [*BASE, "parallel.tp=2"]), three)
+        make_plan(load_config(None, [*BASE, "parallel.tp=2"]), three)
     fp16 = load_config(None, [*BASE, "parallel.tp=2", "precision=fp16"])
     with pytest.raises(ConfigError, match=r"precision=fp16 with parallel.tp=2 needs .* \(got dp=1, strategy=ddp\)"):
-        check_strategy(fp16, two)
+        make_plan(fp16, two)
     compiled = load_config(None, [*BASE, "parallel.tp=2", "train.compile=true",
                                   "parallel.activation_checkpointing=block"])
     with pytest.raises(ConfigError, match=r"hint: parallel.activation_checkpointing=none, or train.compile=false"):
-        check_strategy(compiled, two)
-    check_strategy(load_config(None, [*BASE, "parallel.tp=2"]), two)
+        make_plan(compiled, two)
+    make_plan(load_config(None, [*BASE, "parallel.tp=2"]), two)

@@ -284,7 +284,7 @@ def model_source(model: nn.Module, *, is_main: bool) -> Source:
     """A model on every rank, whole (DDP, ZeRO-1) or sharded (FSDP, HSDP, tensor parallel): each
     DTensor is gathered alone (``full_tensor``, a collective every rank joins) and dropped right
     after rank 0 has written it. Every rank calls it and consumes the tensors."""
-    from hpctrain.parallel import unwrap
+    from hpctrain.parallel.wrappers import unwrap
 
     named = sorted((clean_name(k), v) for k, v in unwrap(model).state_dict().items() if isinstance(v, torch.Tensor))
     _check_unique([name for name, _ in named])

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from hpctrain.data.memory import EvalLoader, rank_slice_of
-from hpctrain.data.sources import synthetic
+from hpctrain.data.synthetic import synthetic
 from hpctrain.env import ClusterEnv
-from hpctrain.evaluate import evaluate
-from hpctrain.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric, default_metrics
+from hpctrain.evaluation.evaluate import evaluate
+from hpctrain.evaluation.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric, default_metrics
 from tests.dist_utils import run_ranks
-from tests.models import tiny_mlp
+from tests.user_models import tiny_mlp
 
 SIZE, BATCH = 1001, 64
 
@@ -110,7 +110,8 @@ def test_metric_units():
 
 def _write_val_shards(root) -> None:
     """The same 1001 samples as the in-memory tests, as raw npy in 11 shards (the last one short)."""
-    from hpctrain.data.shards import npy_bytes, write_shards
+    from hpctrain.data.pack import npy_bytes
+    from hpctrain.data.writer import write_shards
 
     data = synthetic("val", SIZE, (128,), seed=1)
     samples = ((f"v{i:05d}", {"npy": npy_bytes(data.inputs[i].numpy()), "cls": str(int(data.targets[i])).encode()})

@@ -13,7 +13,7 @@ from hpctrain.config import Config
 from hpctrain.data import build_val_loader
 from hpctrain.data.text import text_layout
 from hpctrain.errors import UserError, agree
-from hpctrain.evaluate import evaluate, write_predictions
+from hpctrain.evaluation.evaluate import evaluate, write_predictions
 from hpctrain.models import build_model
 from hpctrain.precision import Precision
 from hpctrain.rundir import write_json

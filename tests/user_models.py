@@ -1,4 +1,4 @@
-"""Tiny user models for tests, loaded as ``model.name=tests.models:NAME`` (shared by all tests)."""
+"""Tiny user models for tests, loaded as ``model.name=tests.user_models:NAME`` (shared by all tests)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ never hangs. Metric states are all-gathered and merged in rank order, so every r
 the same, single-process-exact numbers.
 
 Under tensor (or pipeline) parallelism the ranks of one model replica read the same shard
-(``hpctrain.strategy.data_env``) and compute the same outputs: pass ``group``, the replicas'
+(``hpctrain.parallel.plan.Plan.data_env``) and compute the same outputs: pass ``group``, the replicas'
 data-parallel process group (:func:`hpctrain.parallel.mesh.dp_group`), so each sample is
 merged once, within each dp group, instead of once per tp rank.
 """
@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hpctrain.data import EvalBatches
 from hpctrain.data.sources import Batch
 from hpctrain.env import ClusterEnv, collective_device
-from hpctrain.metrics import EvalOutput, Metric
+from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.precision import Precision
 from hpctrain.tasks import Classification, Task
 

@@ -25,8 +25,8 @@ from torch import nn
 from hpctrain.data import EvalBatches
 from hpctrain.data.sources import Batch
 from hpctrain.env import ClusterEnv
-from hpctrain.evaluate import EvalResult, lockstep
-from hpctrain.metrics import Metric
+from hpctrain.evaluation.evaluate import EvalResult, lockstep
+from hpctrain.evaluation.metrics import Metric
 from hpctrain.parallel.pipeline import PipelineStep
 from hpctrain.precision import Precision
 from hpctrain.tasks import Task

@@ -1,0 +1,205 @@
+"""The data of a run, built from the ``data`` section plus runtime values: this rank's place
+(``ClusterEnv``), the device, the seed, and what the model says (its context length, its
+class count). Also what the data tells the model and the loop: classes, input shape and
+dtype, and the task, decided here and nowhere else (:func:`data_layout`).
+
+Each ``data.name`` maps (:mod:`hpctrain.data.sources`) to loaders that follow two small
+protocols, :class:`TrainLoader` and :class:`EvalBatches`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from hpctrain.data.batch import ArrayDataset, Batch
+from hpctrain.data.config import DataConfig
+from hpctrain.data.loader import ShardDataset, ShardedEvalLoader, ShardedLoader
+from hpctrain.data.manifest import manifest_path
+from hpctrain.data.memory import EvalLoader, MemoryLoader
+from hpctrain.data.sources import data_source, hook, load_split
+from hpctrain.data.stage import resolve_stage_dir, stage_shards
+from hpctrain.data.text import TextLayout, text_layout, tokens_of
+from hpctrain.env import ClusterEnv
+from hpctrain.section import ConfigError
+
+log = logging.getLogger("hpctrain")
+CLASSIFICATION, CAUSAL_LM = "classification", "causal_lm"  # hpctrain.tasks names
+
+
+class TrainLoader(Protocol):
+    """What the trainer and the checkpointer need of a training loader (MemoryLoader, ShardedLoader)."""
+
+    batches_done: int  # batches of the current epoch already yielded (restored by load_state_dict)
+
+    def set_epoch(self, epoch: int) -> None: ...
+    def __len__(self) -> int: ...  # batches per rank per epoch
+    def __iter__(self) -> Iterator[Batch]: ...  # the rest of the epoch, from batches_done on
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class EvalBatches(Protocol):
+    """What evaluate() needs of an evaluation loader (EvalLoader, ShardedEvalLoader)."""
+
+    def __len__(self) -> int: ...  # this rank's batches
+    def __iter__(self) -> Iterator[Batch]: ...  # this rank's share; no sample on two ranks
+    def template(self) -> Batch: ...  # a one-sample batch, for masked padding steps
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """What the data tells the model and the loop."""
+
+    num_classes: int  # classes, or the vocabulary of token data
+    input_shape: tuple[int, ...]  # one sample's
+    input_dtype: torch.dtype = torch.float32  # the model's input: torch.long for token ids
+    task: str = CLASSIFICATION  # what the data asks of the loop (hpctrain.tasks): causal_lm for text
+
+
+@dataclass
+class DataBundle:
+    """A run's loaders and sample counts; ``num_classes`` .. ``task`` are its :class:`DataLayout`."""
+
+    train_loader: TrainLoader
+    val_loader: EvalBatches | None
+    num_classes: int
+    input_shape: tuple[int, ...]
+    train_size: int
+    val_size: int
+    input_dtype: torch.dtype = torch.float32
+    task: str = CLASSIFICATION
+
+
+@dataclass
+class ValData:
+    """The evaluation loader of ``data.val_split`` and what its data tells the model (``hpctrain eval``)."""
+
+    loader: EvalBatches
+    size: int
+    layout: DataLayout  # classes, input shape and dtype, task
+
+
+def data_layout(text: TextLayout | None = None, *, num_classes: int = 0,
+                input_shape: tuple[int, ...] = ()) -> DataLayout:
+    """The one rule for the task: token windows (a text manifest) are causal_lm, with the model
+    seeing ``(seq_len,)`` int64 ids; anything else is classification."""
+    if text is not None:
+        return DataLayout(text.vocab, (text.seq_len,), torch.long, CAUSAL_LM)
+    return DataLayout(num_classes, input_shape)
+
+
+def build_data(data: DataConfig, env: ClusterEnv, device: torch.device, *, seed: int, seq_len: int | None = None,
+               num_classes: int | None = None, with_val: bool = True) -> DataBundle:
+    """This rank's training loader (and validation loader) for ``data.name``.
+
+    ``env``: the data-parallel place of this rank; ``seed``: the sample order (and synthetic
+    data); ``seq_len``: the model's context length (``data.name=shakespeare`` is sharded at
+    it); ``num_classes``: the model's class count, for shards whose manifest lists none.
+    """
+    shards = data_source(data.name).shards
+    if shards is not None:
+        return _shard_data(data, env, device, seed, _shard_root(shards, data, env, seq_len), num_classes, with_val)
+    train_set = load_split(data, "train", seed).subset(data.max_train_samples)
+    loader = MemoryLoader(train_set, env, data.batch_size, seed=seed, drop_last=data.drop_last,
+                          num_workers=data.num_workers, prefetch_factor=data.prefetch_factor,
+                          pin_memory=_pin(data, device), persistent_workers=data.persistent_workers)
+    val = _memory_val(data, env, seed) if with_val else None
+    return _bundle(loader, len(train_set), _memory_layout(train_set), val.loader if val else None,
+                   val.size if val else 0)
+
+
+def build_val_loader(data: DataConfig, env: ClusterEnv, *, seed: int, seq_len: int | None = None,
+                     num_classes: int | None = None) -> ValData:
+    """The evaluation loader of ``data.val_split`` for any ``data.name``, and its layout (``hpctrain eval``)."""
+    shards = data_source(data.name).shards
+    if shards is None:
+        return _memory_val(data, env, seed)
+    root = _shard_root(shards, data, env, seq_len)
+    loader = _shard_val_loader(data, env, root)
+    if loader is None:
+        raise ConfigError(f"data.path={data.path} has no {data.val_split} split to evaluate")
+    layout = _shard_layout(text_layout(root, data.val_split), loader.dataset, num_classes)
+    return ValData(loader, loader.num_samples, layout)
+
+
+def load_val_set(data: DataConfig, *, seed: int) -> ArrayDataset:
+    """``data.val_split`` of an in-memory source, limited to ``data.max_val_samples``."""
+    return load_split(data, data.val_split, seed).subset(data.max_val_samples)
+
+
+def eval_batch_size(data: DataConfig) -> int:
+    return data.eval_batch_size or 2 * data.batch_size
+
+
+def _pin(data: DataConfig, device: torch.device) -> bool:
+    return data.pin_memory and device.type == "cuda"
+
+
+def _bundle(loader: TrainLoader, size: int, layout: DataLayout, val: EvalBatches | None, val_size: int) -> DataBundle:
+    return DataBundle(loader, val, layout.num_classes, layout.input_shape, size, val_size, layout.input_dtype,
+                      layout.task)
+
+
+# ---------------------------------------------------------------- in memory
+
+
+def _memory_layout(dataset: ArrayDataset) -> DataLayout:
+    return data_layout(num_classes=dataset.num_classes, input_shape=dataset.input_shape)
+
+
+def _memory_val(data: DataConfig, env: ClusterEnv, seed: int) -> ValData:
+    dataset = load_val_set(data, seed=seed)
+    return ValData(EvalLoader(dataset, env, eval_batch_size(data)), len(dataset), _memory_layout(dataset))
+
+
+# ---------------------------------------------------------------- tar shards
+
+
+def _shard_root(shards: str, data: DataConfig, env: ClusterEnv, seq_len: int | None) -> Path:
+    """The directory the source's ``shards`` hook gives, or its node-local copy when staging is
+    on (data.stage_dir / $SLURM_TMPDIR)."""
+    root: Path = hook(shards)(data, env, seq_len)
+    return stage_shards(root, resolve_stage_dir(data.stage_dir), env, ["train", data.val_split])
+
+
+def _shard_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: int, root: Path,
+                num_classes: int | None, with_val: bool) -> DataBundle:
+    text = text_layout(root)
+    loader = ShardedLoader(root, env, data.batch_size, split="train", seed=seed, shuffle=data.shuffle,
+                           shuffle_window=data.shuffle_window, drop_last=data.drop_last, num_workers=data.num_workers,
+                           prefetch_factor=data.prefetch_factor, pin_memory=_pin(data, device),
+                           persistent_workers=data.persistent_workers, on_corrupt=data.on_corrupt,
+                           max_samples=data.max_train_samples, transform=tokens_of if text else None)
+    val = _shard_val_loader(data, env, root) if with_val else None
+    return _bundle(loader, loader.num_samples, _shard_layout(text, loader.dataset, num_classes), val,
+                   val.num_samples if val else 0)
+
+
+def _shard_val_loader(data: DataConfig, env: ClusterEnv, root: Path) -> ShardedEvalLoader | None:
+    if not manifest_path(root, data.val_split).is_file():
+        log.warning("no %s split in %s: training without validation (hint: hpctrain data shard SOURCE %s --split %s)",
+                    data.val_split, root, data.path, data.val_split)
+        return None
+    return ShardedEvalLoader(root, env, eval_batch_size(data), split=data.val_split, on_corrupt=data.on_corrupt,
+                             max_samples=data.max_val_samples,
+                             transform=tokens_of if text_layout(root, data.val_split) else None)
+
+
+def _shard_layout(text: TextLayout | None, dataset: ShardDataset, num_classes: int | None) -> DataLayout:
+    if text is not None:
+        return data_layout(text)
+    return data_layout(num_classes=_num_classes(dataset, num_classes), input_shape=dataset.sample_shape())
+
+
+def _num_classes(dataset: ShardDataset, num_classes: int | None) -> int:
+    if dataset.index.classes:
+        return len(dataset.index.classes)
+    if num_classes:
+        return num_classes
+    raise ConfigError(f"the manifest in {dataset.index.root} lists no classes; hint: set model.num_classes")

@@ -1,0 +1,17 @@
+"""What can go wrong with data, as errors that name the file or key and the way out."""
+
+from __future__ import annotations
+
+from hpctrain.errors import RunError, UserError
+
+
+class DataMissingError(UserError, FileNotFoundError):
+    """The data is not installed; the message carries the command that installs it."""
+
+
+class ShardError(UserError):
+    """A shard directory, manifest or index is missing or inconsistent; the message names it."""
+
+
+class CorruptSampleError(RunError):
+    """A sample's bytes do not match the index (truncated shard, flipped byte, bad encoding)."""

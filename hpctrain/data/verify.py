@@ -1,0 +1,95 @@
+"""Checking shards against their manifest and index (``hpctrain data verify``): sizes, sha256,
+every tar header at its indexed offset, and each sample's CRC-32; problems name shard and key."""
+
+from __future__ import annotations
+
+import tarfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpctrain.data.errors import ShardError
+from hpctrain.data.manifest import BLOCK, data_dir, file_sha256, load_index, load_manifest, split_key
+
+
+@dataclass
+class Problem:
+    shard: str
+    key: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.shard}" + (f" sample {self.key!r}" if self.key else "")
+        return f"{where}: {self.message}"
+
+
+def verify(root: str | Path, split: str, *, deep: bool = True) -> list[Problem]:
+    """Check every shard of a split against the manifest (size, sha256) and its index
+    (tar headers name the indexed keys at the indexed offsets; CRC-32 per sample)."""
+    root = Path(root)
+    manifest = load_manifest(root, split)
+    problems: list[Problem] = []
+    for shard in manifest["shards"]:
+        problems += verify_shard(root, shard, deep=deep, tars=data_dir(root, manifest))
+    return problems
+
+
+def verify_shard(root: Path, shard: dict[str, Any], *, deep: bool = True, tars: Path | None = None) -> list[Problem]:
+    """``tars``: the directory of the tar files when it is not ``root`` (see :func:`data_dir`)."""
+    path = (tars or root) / shard["name"]
+    if not path.is_file():
+        return [Problem(shard["name"], None, "file is missing")]
+    try:
+        index = load_index(root, shard)
+    except ShardError as err:
+        return [Problem(shard["name"], None, str(err))]
+    problems = []
+    size = path.stat().st_size
+    if size != shard["bytes"]:
+        first = _first_beyond(index, size)
+        problems.append(Problem(shard["name"], first, f"{size} bytes, manifest says {shard['bytes']} (truncated?)"))
+    if not deep:
+        return problems
+    if file_sha256(path) != shard["sha256"]:
+        problems.append(Problem(shard["name"], None, "sha256 differs from the manifest"))
+    problems += _check_samples(path, shard["name"], index)
+    return problems
+
+
+def _first_beyond(index: dict[str, Any], size: int) -> str | None:
+    for key, end in zip(index["keys"], index["end"]):
+        if end > size:
+            return key
+    return None
+
+
+def _check_samples(path: Path, name: str, index: dict[str, Any]) -> list[Problem]:
+    problems = []
+    raw = path.read_bytes()
+    fields = index["fields"]
+    for i, key in enumerate(index["keys"]):
+        start, end = index["start"][i], index["end"][i]
+        chunk = raw[start:end]
+        if len(chunk) != end - start:
+            problems.append(Problem(name, key, f"bytes {start}..{end} lie beyond the end of the file ({len(raw)})"))
+            continue
+        if zlib.crc32(chunk) != index["crc32"][i]:
+            problems.append(Problem(name, key, "CRC-32 differs from the index (corrupt bytes)"))
+            continue
+        problems += _check_headers(raw, name, key, start, fields, index["offsets"][i])
+    return problems
+
+
+def _check_headers(raw: bytes, name: str, key: str, start: int, fields: list[str], offsets: list[int]) -> list[Problem]:
+    """The tar header right before each field must name <key>.<ext> with the indexed size."""
+    for j, ext in enumerate(fields):
+        off, size = start + offsets[2 * j], offsets[2 * j + 1]
+        try:
+            info = tarfile.TarInfo.frombuf(raw[off - BLOCK : off], "utf-8", "surrogateescape")
+        except tarfile.HeaderError as err:
+            return [Problem(name, key, f"no valid tar header before field .{ext}: {err}")]
+        if info.size != size or split_key(info.name) != (key, ext):
+            return [Problem(name, key, f"tar header says {info.name!r} ({info.size} bytes), "
+                                       f"index says {key}.{ext} ({size} bytes)")]
+    return []

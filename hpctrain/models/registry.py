@@ -1,0 +1,72 @@
+"""The model registry: built-in names and their input shapes, and :func:`build_model` for a
+registered name or a user's ``package.module:NAME``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpctrain.models.config import ModelConfig
+from hpctrain.models.gpt import GPT, build_gpt
+from hpctrain.models.mnist_net import MnistCNN
+from hpctrain.models.resnet import ResNet18
+from hpctrain.models.simple_cnn import SimpleCNN
+from hpctrain.models.user import ModelError, build_user_model, check_model_output
+
+__all__ = ["GPT", "REGISTRY", "ModelError", "ModelSpec", "build_model", "check_model_output", "count_parameters"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    factory: Callable[..., nn.Module]
+    input_shape: tuple[int, ...]
+    description: str
+    # torch.long: a token model, (batch, seq) ids -> (batch, seq, vocab) logits, sized by the model config
+    input_dtype: torch.dtype = torch.float32
+    num_classes: int = 10  # the output size when neither the data nor the config gives one
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    "mnist_cnn": ModelSpec(MnistCNN, (1, 28, 28), "SCA2025 tutorial MNIST network"),
+    "simple_cnn": ModelSpec(SimpleCNN, (3, 32, 32), "workshop baseline CNN for 3x32x32"),
+    "resnet18": ModelSpec(ResNet18, (3, 32, 32), "ResNet-18, CIFAR variant"),
+    "gpt": ModelSpec(build_gpt, (128,), "decoder-only transformer (model.n_layers/hidden/heads/seq_len)",
+                     torch.long, 256),
+}
+
+
+def build_model(name: str, num_classes: int | None = None, in_channels: int | None = None, *,
+                input_shape: tuple[int, ...] | None = None, input_dtype: torch.dtype = torch.float32,
+                config: ModelConfig | None = None) -> nn.Module:
+    """A registered model, or ``package.module:NAME`` called with the arguments it accepts.
+
+    With ``input_shape`` (one sample's shape, e.g. the dataset's), ``in_channels`` defaults
+    to its first entry and one dummy forward pass checks the model before training starts.
+    Token models (``gpt``) take their sizes from ``config`` (the ``model`` section) and
+    ``num_classes`` as the data's vocabulary."""
+    spec = REGISTRY.get(name)
+    if spec is not None and spec.input_dtype == torch.long:
+        return spec.factory(num_classes or spec.num_classes, config=config, input_shape=input_shape,
+                            input_dtype=input_dtype, name=name)
+    num_classes = num_classes or (spec.num_classes if spec else 10)
+    if in_channels is None and input_shape is not None:
+        in_channels = input_shape[0]
+    if ":" in name:
+        model = build_user_model(name, num_classes, in_channels)
+    elif name in REGISTRY:
+        spec = REGISTRY[name]
+        model = spec.factory(num_classes=num_classes, in_channels=spec.input_shape[0] if in_channels is None
+                             else in_channels)
+    else:
+        raise ModelError(f"model.name={name!r} is not registered; choose one of: {', '.join(REGISTRY)}, "
+                         "or give a factory or nn.Module class as package.module:NAME")
+    if input_shape is not None:
+        check_model_output(model, name, input_shape, num_classes, input_dtype)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,241 @@
+"""The strategy interface: one object owns everything that differs between ways of running a
+model over ranks. The loop, the checkpointer, evaluation and the final weights call it and
+never ask which strategy runs.
+
+A strategy builds and wraps the model (tensor parallel -> activation checkpointing -> compile
+-> data parallel, in that order), wraps the optimizer, picks the fp16 loss scaler, runs a
+micro-step (forward and backward, skipping the gradient sync on inner micro-steps of
+accumulation) and the optimizer step (with clipping), supplies the view of model and
+optimizer a checkpoint saves and loads (:mod:`hpctrain.parallel.state`), streams the whole
+model's tensors for ``model.pt``, and evaluates.
+
+This base class runs a whole model on every rank; subclasses (one file each, registered in
+:mod:`hpctrain.parallel.registry`) override what their strategy changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hpctrain.env import ClusterEnv
+from hpctrain.evaluation.evaluate import EvalResult, evaluate
+from hpctrain.evaluation.metrics import Metric
+from hpctrain.parallel.checkpointing import apply_activation_checkpointing
+from hpctrain.parallel.config import ParallelConfig
+from hpctrain.parallel.meta import on_meta
+from hpctrain.parallel.state import ModelState, ShardedState, WholeState
+from hpctrain.precision import Precision
+from hpctrain.weights.export import Source, model_source
+
+if TYPE_CHECKING:
+    from hpctrain.config import Config
+    from hpctrain.data import EvalBatches
+    from hpctrain.parallel.plan import Plan
+    from hpctrain.tasks import Task
+
+LossFn = Callable[[Any, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Factory = Callable[[], nn.Module]
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: one object fewer per micro-step on the hot path
+
+
+def _nothing() -> None:
+    return None
+
+
+class Strategy:
+    """A whole model per rank; one process, or replicas kept in step by a subclass."""
+
+    name: ClassVar[str] = "whole"
+
+    def __init__(self, plan: Plan, env: ClusterEnv, device: torch.device, cfg: ParallelConfig, *,
+                 precision: str = "fp32", compile: bool = False, seed: int = 0,
+                 clip_grad_norm: float | None = None, mesh: DeviceMesh | None = None) -> None:
+        self.plan, self.env, self.device, self.cfg = plan, env, device, cfg
+        self.precision_mode, self.compile, self.seed, self.max_norm = precision, compile, seed, clip_grad_norm
+        self.mesh: DeviceMesh | None = mesh if mesh is not None else self._build_mesh()
+        self._holds_part = False
+        self.model: nn.Module = nn.Identity()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.precision = Precision(precision, device)
+        self.whole: nn.Module | None = None  # the whole model on meta, when this rank holds a part of it
+        self.loss_fn: LossFn | None = None
+
+    # ---------------------------------------------------------------- before the process group
+
+    @classmethod
+    def checkpoint_format(cls, cfg: ParallelConfig) -> str:
+        """torch: rank 0 writes the whole state; dcp: every rank its shards (tensor parallel
+        holds DTensors); deepspeed: DeepSpeed's own files."""
+        return "dcp" if cfg.tp > 1 else "torch"
+
+    @classmethod
+    def check(cls, cfg: Config, plan: Plan) -> None:
+        """What this strategy cannot run, as a ConfigError (exit 2) before the process group.
+        Subclasses add their own checks to these (super().check)."""
+        if plan.tp > 1:
+            from hpctrain.parallel.tensor import check_tensor_parallel
+
+            check_tensor_parallel(cfg, plan)
+
+    # ---------------------------------------------------------------- building
+
+    def setup(self, factory: Factory, *, loss_fn: LossFn,
+              make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+              make_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler | None],
+              ) -> None:
+        """Build the model with ``torch.manual_seed(seed); factory()``'s weights, its optimizer
+        and schedule, and the loss scaler this strategy needs."""
+        self.loss_fn = loss_fn
+        self.model = self.build_model(factory)
+        self._holds_part = self.find_part()
+        self.optimizer = self.wrap_optimizer(make_optimizer(self.model))
+        self.scheduler = make_scheduler(self.optimizer)
+        self.precision = Precision(self.precision_mode, self.device, scaler=self.grad_scaler())
+        self.whole = on_meta(factory) if self.holds_part else None
+
+    def build_model(self, factory: Factory) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return self.parallelize(factory().to(self.device))
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """The documented order: tensor parallel -> activation checkpointing -> compile -> data parallel."""
+        if self.env.distributed and self.plan.tp > 1:
+            from hpctrain.parallel.tensor import apply_tp
+
+            assert self.mesh is not None
+            apply_tp(model, mesh=self.mesh["tp"], sequence_parallel=self.cfg.sequence_parallel)
+        model = apply_activation_checkpointing(model, mode=self.cfg.activation_checkpointing)
+        if not self.env.distributed:
+            return self.compiled(model)
+        return self.wrap_data_parallel(self.compiled(model))
+
+    def compiled(self, model: nn.Module) -> nn.Module:
+        return torch.compile(model) if self.compile else model  # type: ignore[return-value]
+
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """fp16 loss scaling; where ranks hold shards, one whose inf check sees every rank's."""
+        if self.precision_mode != "fp16":
+            return None
+        if self.holds_part:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(device=self.device.type)
+        return torch.amp.GradScaler(self.device.type)
+
+    def _build_mesh(self) -> DeviceMesh | None:
+        """The (pp, dp, tp) mesh, once per run, when the model is cut over ranks; data parallel
+        over the whole world needs none (None also in one process)."""
+        if not (self.env.distributed and self.plan.model_split):
+            return None
+        from hpctrain.parallel.mesh import build_mesh
+
+        return build_mesh(world=self.plan.world_size, dp=self.plan.dp, tp=self.plan.tp, pp=self.plan.pp,
+                          device_type=self.device.type, dp_replicate=self.plan.dp_replicate)
+
+    @property
+    def holds_part(self) -> bool:
+        """Does this rank hold only a part of the model (shards, a stage), not the whole?"""
+        return self._holds_part
+
+    def find_part(self) -> bool:
+        from hpctrain.parallel.wrappers import is_sharded
+
+        return is_sharded(self.model)
+
+    @property
+    def inner(self) -> nn.Module:
+        """The user's module inside the wrappers (DDP, torch.compile)."""
+        from hpctrain.parallel.wrappers import unwrap
+
+        return unwrap(self.model)
+
+    # ---------------------------------------------------------------- the step
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Inner micro-steps of accumulation: no gradient all-reduce / reduce-scatter."""
+        return _NO_CONTEXT
+
+    def micro_step(self, inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None, *, sync: bool,
+                   accum: int, forward_done: Callable[[], None] = _nothing) -> torch.Tensor:
+        """Forward and backward of one micro-batch; the loss divided by ``accum`` for the
+        gradients, returned detached. ``forward_done`` is called between the two (for timing)."""
+        assert self.loss_fn is not None, "setup() first"
+        with _NO_CONTEXT if sync else self.no_sync():
+            with self.precision.autocast():
+                loss = self.loss_fn(self.model(inputs), targets, mask)
+                if accum > 1:
+                    loss = loss / accum
+            forward_done()
+            self.precision.backward(loss)
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        """Clip (train.clip_grad_norm), step (skipped on fp16 overflow), zero the grads, step the schedule."""
+        assert self.optimizer is not None, "setup() first"
+        if self.max_norm is not None:
+            self.precision.unscale(self.optimizer)
+            self.clip_grad_norm(self.max_norm)
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        """Sharded gradients (DTensors) need the norm over every shard; whole ones, torch's own."""
+        if self.holds_part:
+            from hpctrain.parallel.clip import clip_grad_norm_
+
+            clip_grad_norm_(self.model.parameters(), max_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    # ---------------------------------------------------------------- state, weights, evaluation
+
+    def checkpoint_state(self) -> ModelState:
+        """Model and optimizer as a checkpoint saves and loads them (whole, or this rank's shards)."""
+        assert self.optimizer is not None, "setup() first"
+        view = ShardedState(self.model, self.optimizer) if self.holds_part else WholeState(self.model, self.optimizer)
+        view.strategy = self.cfg.strategy
+        return view
+
+    def param_names(self) -> list[str]:
+        """The whole model's parameter names, in order (model.pt's, params_sha256's)."""
+        from hpctrain.rundir import param_names
+
+        return param_names(self.whole if self.whole is not None else self.inner)
+
+    def export_source(self) -> Source:
+        """The whole model's tensors, streamed one at a time to rank 0 (every rank consumes them)."""
+        return model_source(self.model, is_main=self.env.is_main)
+
+    def flops_module(self) -> nn.Module:
+        """A module whose forward counts the whole model's FLOPs (on meta when this rank holds a part)."""
+        return self.whole if self.whole is not None else self.inner
+
+    def eval_group(self) -> Any:
+        """The process group evaluation merges over: one rank per data-parallel replica (None:
+        every rank is its own replica, the default group)."""
+        if not self.plan.model_split:
+            return None
+        from hpctrain.parallel.mesh import dp_group
+
+        return dp_group(self.mesh)
+
+    def evaluate(self, loader: EvalBatches, metrics: Sequence[Metric], task: Task, *,
+                 batch_size: int) -> EvalResult:
+        """Every validation sample of the data-parallel replicas once; the global metrics on every rank."""
+        return evaluate(self.model, loader, metrics, self.env, self.device, self.precision, task=task,
+                        group=self.eval_group())

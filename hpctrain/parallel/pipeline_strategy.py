@@ -1,0 +1,111 @@
+"""``parallel.pp > 1``: pipeline stages (torch.distributed.pipelining) around the data-parallel
+strategy each stage runs (``parallel.strategy``: FSDP over dp, tensor parallel inside). The
+schedule runs forward and backward of a whole micro-step; validation runs forward through the
+stages (the schedule's own ``eval``); checkpoints go through DCP under the whole model's names;
+``model.pt`` is streamed by one owner per stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hpctrain.env import collective_device
+from hpctrain.evaluation.evaluate import EvalResult
+from hpctrain.evaluation.metrics import Metric
+from hpctrain.evaluation.pipeline import evaluate_pipeline
+from hpctrain.parallel.base import Factory, Strategy, _nothing
+from hpctrain.parallel.clip import clip_grad_norm_
+from hpctrain.parallel.config import ParallelConfig
+from hpctrain.parallel.pipeline import PipelineStep, build_pipeline
+from hpctrain.parallel.pipeline_state import PipelineState
+from hpctrain.parallel.registry import strategy_class
+from hpctrain.parallel.state import ModelState
+from hpctrain.section import ConfigError
+from hpctrain.weights.export import Source, pipeline_source
+
+if TYPE_CHECKING:
+    from hpctrain.config import Config
+    from hpctrain.data import EvalBatches
+    from hpctrain.parallel.plan import Plan
+    from hpctrain.tasks import Task
+
+
+class Pipeline(Strategy):
+    name = "pipeline"
+
+    @classmethod
+    def checkpoint_format(cls, cfg: ParallelConfig) -> str:
+        return "dcp"
+
+    @classmethod
+    def check(cls, cfg: Config, plan: Plan) -> None:
+        super().check(cfg, plan)
+        p = cfg.parallel
+        if cfg.train.compile or p.meta_init:
+            raise ConfigError(f"parallel.pp={p.pp} builds its stages without train.compile or parallel.meta_init "
+                              "yet; hint: train.compile=false parallel.meta_init=false")
+        if cfg.model.tie_weights and cfg.model.name == "gpt":
+            raise ConfigError(f"parallel.pp={p.pp}: the first and last stages cannot share the tied embedding; "
+                              "hint: model.tie_weights=false")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # what wraps each stage: the configured data-parallel strategy on the same mesh
+        self.stage_strategy = strategy_class(self.cfg.strategy)(
+            self.plan, self.env, self.device, self.cfg, precision=self.precision_mode, seed=self.seed,
+            mesh=self.mesh)
+        self.step: PipelineStep | None = None
+
+    def build_model(self, factory: Factory) -> nn.Module:
+        """The whole model built seeded (as one process builds it), cut into this rank's stage(s)."""
+        assert self.mesh is not None and self.loss_fn is not None
+        torch.manual_seed(self.seed)
+        loss_fn = self.loss_fn
+        self.step = build_pipeline(factory().to(self.device), pp_group=self.mesh["pp"].get_group(),
+                                   device=self.device, schedule=self.cfg.pp_schedule,
+                                   microbatches=self.cfg.microbatches, loss_fn=lambda out, tgt: loss_fn(out, tgt, None),
+                                   virtual_stages=self.cfg.virtual_stages, grad_accum=self.plan.grad_accum,
+                                   wrap=self.stage_strategy.parallelize)
+        return self.step.model
+
+    def find_part(self) -> bool:
+        return True
+
+    def setup(self, factory: Factory, **kwargs: Any) -> None:
+        super().setup(factory, **kwargs)
+        assert self.step is not None
+        self.step.grad_scaler = self.precision.scaler  # fp16: the schedule's loss function scales the loss
+
+    def micro_step(self, inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None, *, sync: bool,
+                   accum: int, forward_done: Callable[[], None] = _nothing) -> torch.Tensor:
+        assert self.step is not None
+        with self.precision.autocast():
+            loss = self.step(inputs, targets)
+        return loss / accum if accum > 1 else loss
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        """The squared norms of every stage, summed over the pipeline."""
+        assert self.step is not None
+        clip_grad_norm_(self.step.parameters(), max_norm, pp_group=self.step.group)
+
+    def checkpoint_state(self) -> ModelState:
+        assert self.step is not None and self.optimizer is not None
+        return PipelineState(self.step, self.optimizer, self.cfg.strategy)
+
+    def export_source(self) -> Source:
+        assert self.step is not None
+        step = self.step
+        # one rank of each stage owns its names: replica 0's tp rank 0
+        return pipeline_source({step.global_name(k): v for k, v in step.model.state_dict().items()},
+                               sender=self.plan.dp_rank == 0 and self.env.rank % self.plan.tp == 0,
+                               rank=self.env.rank, device=collective_device())
+
+    def evaluate(self, loader: EvalBatches, metrics: Sequence[Metric], task: Task, *,
+                 batch_size: int) -> EvalResult:
+        """Forward through the stages, metrics on the last; the tp ranks of a stage count once."""
+        assert self.step is not None
+        return evaluate_pipeline(self.step, loader, metrics, self.env, self.device, self.precision, task=task,
+                                 batch_size=batch_size, leader=self.env.rank % self.plan.tp == 0)
