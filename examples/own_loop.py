@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -53,16 +54,16 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | No
     return F.cross_entropy(logits, targets)
 
 
-def main(run_dir: Path, strategy_name: str) -> int:
+def main(run_dir: Path, strategy_name: str, pause: float = 0.0) -> int:
     env = hpctrain.detect()  # torchrun's, Slurm's, or an already running process group
     device = hpctrain.init_distributed(env)
     try:
-        return train(run_dir, strategy_name, env, device)
+        return train(run_dir, strategy_name, env, device, pause)
     finally:
         hpctrain.teardown()
 
 
-def train(run_dir: Path, strategy_name: str, env: hpctrain.ClusterEnv, device: torch.device) -> int:
+def train(run_dir: Path, strategy_name: str, env: hpctrain.ClusterEnv, device: torch.device, pause: float) -> int:
     train_set, val_set = datasets()
     strategy = strategy_for(ParallelConfig(strategy=strategy_name), env, device, seed=0)
     strategy.setup(net, loss_fn=loss_fn, make_optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
@@ -81,6 +82,7 @@ def train(run_dir: Path, strategy_name: str, env: hpctrain.ClusterEnv, device: t
             strategy.micro_step(batch.inputs.to(device), batch.targets.to(device), None, sync=True, accum=1)
             strategy.optimizer_step()
             counters.step += 1
+            time.sleep(pause)  # --pause: a slower run, to be killed or signalled mid-epoch
             meter.lap(0)
             if ckpt.at_step({}):  # a preemption signal: every rank saved the same step
                 ckpt.close()
@@ -101,5 +103,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--strategy", default="ddp", choices=("ddp", "zero1"))
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds to sleep after each step")
     args = parser.parse_args()
-    sys.exit(main(args.run_dir, args.strategy))
+    sys.exit(main(args.run_dir, args.strategy, args.pause))

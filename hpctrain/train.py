@@ -383,6 +383,7 @@ def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
     resume = cfg.resume if cfg.checkpoint.enabled else "never"
     check_run_dir(run_dir, cfg.run.overwrite, resume)  # read-only, every rank: all fail alike before the group
     created = missing_dirs(run_dir)  # a start that fails (bad data, model, checkpoint) leaves none of them behind
+    ours = not torch.distributed.is_initialized()  # a group the caller started is the caller's to end
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     try:
         prepare_run_dir_together(run_dir, cfg.run.overwrite, resume, env.is_main)  # rank 0 changes it, all wait
@@ -392,7 +393,8 @@ def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
             remove_empty_dirs(created)
         raise
     finally:
-        cluster.teardown()
+        if ours:
+            cluster.teardown()
 
 
 def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,

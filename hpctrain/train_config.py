@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.section import opt, positive
+from hpctrain.section import ConfigError, opt, positive
+from hpctrain.tasks.registry import task_names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,7 +21,7 @@ class TrainConfig:
     log_every: int = opt(20, "Write a metrics.jsonl row every N optimizer steps.")
     eval_every_steps: int | None = opt(None, "Validate every N optimizer steps (besides each epoch end).")
     eval_each_epoch: bool = opt(True, "Validate at the end of every epoch.")
-    task: Literal["auto", "classification", "causal_lm"] = opt("auto", "What the loop trains for (loss, metrics, inputs/targets): auto = the data's (causal_lm for text shards, else classification); a named task must fit the data.")
+    task: str = opt("auto", "What the loop trains for (loss, metrics, inputs/targets): auto = the data's (causal_lm for text shards, else classification); a named task must fit the data.")
     best_metric: str = opt("auto", "Validation metric whose best value is tracked (its checkpoint marked): val_accuracy, val_loss, val_perplexity, val_top5_accuracy, ...; auto = val_loss for causal_lm, val_accuracy for classification.")
     best_mode: Literal["auto", "max", "min"] = opt("auto", "Is higher better? auto: min for *loss / *perplexity, else max.")
     compile: bool = opt(False, "Wrap the model in torch.compile (opt-in: compilation takes time).")
@@ -29,6 +30,9 @@ class TrainConfig:
     threads: int | None = opt(None, "torch intra-op threads per rank; default: cores / local ranks.")
 
     def __post_init__(self) -> None:
+        tasks = ("auto", *task_names())  # the registry's (hpctrain/tasks/registry.py)
+        if self.task not in tasks:
+            raise ConfigError(f"train.task={self.task!r} is not allowed; choose one of: {', '.join(tasks)}")
         positive("train", self, "epochs", "max_steps", "grad_accum", "clip_grad_norm", "log_every",
                  "eval_every_steps", "threads")
 

@@ -107,42 +107,30 @@ def import_graph(root: Path = ROOT) -> Graph:
 
 
 def strongly_connected(graph: Graph) -> list[list[str]]:
-    """Tarjan's algorithm, iterative (the graph is deeper than some recursion limits allow)."""
+    """Tarjan's algorithm: the strongly connected components, each sorted. Recursive: the
+    depth is at most the number of modules, far below Python's limit."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
-    on_stack: set[str] = set()
     components: list[list[str]] = []
-    for start in sorted(graph):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is None:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        top = stack.pop()
-                        on_stack.discard(top)
-                        component.append(top)
-                        if top == node:
-                            break
-                    components.append(sorted(component))
-            elif child not in index:
-                index[child] = low[child] = len(index)
-                stack.append(child)
-                on_stack.add(child)
-                work.append((child, iter(sorted(graph.get(child, ())))))
-            elif child in on_stack:
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for child in sorted(graph.get(node, ())):
+            if child not in index:
+                visit(child)
+                low[node] = min(low[node], low[child])
+            elif child in stack:
                 low[node] = min(low[node], index[child])
+        if low[node] == index[node]:
+            split = stack.index(node)
+            components.append(sorted(stack[split:]))
+            del stack[split:]
+
+    for start in sorted(graph):
+        if start not in index:
+            visit(start)
     return components
 
 
@@ -181,6 +169,23 @@ def test_the_graph_sees_what_python_sees() -> None:
     assert "hpctrain.launch.slurm" in graph["hpctrain.launch.cli"]  # in a function: `from hpctrain.launch import slurm`
     assert "hpctrain.errors" in graph["hpctrain.section"]
     assert "hpctrain.env" in graph["hpctrain"]  # a lazy export
+    assert "hpctrain.estimate.cli" in graph["hpctrain.cli"]  # the command table
+    # `from hpctrain.checkpoint import layout` is the submodule, not the package's __init__,
+    # so a package exporting from its submodules is no cycle by itself
+    assert "hpctrain.checkpoint.layout" in graph["hpctrain.checkpoint.cli"]
+    assert "hpctrain.checkpoint" not in graph["hpctrain.checkpoint.cli"]
+    assert "hpctrain.checkpoint.layout" in graph["hpctrain.checkpoint"]
+
+
+def test_type_checking_imports_are_no_edges_and_imports_in_functions_are(tmp_path: Path) -> None:
+    pkg = tmp_path / "hpctrain"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('_EXPORTS = {"thing": "hpctrain.c"}\n')
+    (pkg / "a.py").write_text("from hpctrain import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hpctrain.a import X\n")
+    (pkg / "c.py").write_text("def f():\n    from .a import thing\n")
+    assert import_graph(pkg) == {"hpctrain": {"hpctrain.c"}, "hpctrain.a": {"hpctrain.b"}, "hpctrain.b": set(),
+                                 "hpctrain.c": {"hpctrain.a"}}
 
 
 def test_tarjan_finds_a_loop_and_names_it() -> None:

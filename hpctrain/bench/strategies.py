@@ -5,7 +5,8 @@ activations as measured.
 A small decoder-only GPT (``model.name=gpt``, untied embeddings so that pipeline stages hold
 the same parameters) trained with AdamW on byte-level text shards (a generated corpus), on
 N ranks, once per case, each through ``hpctrain train`` in fresh processes: ddp, zero1,
-fsdp-zero2 (``reshard_after_forward=false``), fsdp-zero3, deepspeed-1/2/3, tp2 and pp2
+fsdp-zero2 (``reshard_after_forward=false``), fsdp-zero3, fsdp-offload (``cpu_offload=true``: sharded
+state in host memory), deepspeed-1/2/3, tp2 and pp2
 (with fsdp over the data-parallel ranks where N > 2). Reported per case: steady-state
 tokens/s over all ranks and relative to ddp in the same run; each rank's peak memory (CUDA's
 peak allocated bytes on GPUs, the process's peak RSS on CPUs); and each rank's
@@ -52,6 +53,7 @@ def cases(world: int, quick: bool) -> list[Case]:
         Case("zero1", ("parallel.strategy=zero1",)),
         Case("fsdp-zero2", ("parallel.strategy=fsdp", "parallel.reshard_after_forward=false")),
         Case("fsdp-zero3", ("parallel.strategy=fsdp",)),
+        Case("fsdp-offload", ("parallel.strategy=fsdp", "parallel.cpu_offload=true")),
         *(Case(f"deepspeed-{k}", ("parallel.strategy=deepspeed", f"parallel.deepspeed_stage={k}")) for k in (1, 2, 3)),
         Case("tp2", ("parallel.tp=2", *over_dp)),
         Case("pp2", ("parallel.pp=2", "parallel.microbatches=2", *over_dp)),

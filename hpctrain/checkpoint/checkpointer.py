@@ -71,8 +71,8 @@ class Checkpointer:
         own = self.view.format == "deepspeed"  # the view saves model + optimizer itself
         self.format = self.view.format if self.view.format != "torch" else c.format
         if own and c.mode == "async" and env.is_main:
-            log.info("parallel.strategy=deepspeed: checkpoints are saved synchronously (DeepSpeed's save runs "
-                     "collectives on the training process group), not checkpoint.mode=async")
+            log.info("parallel.strategy=%s: checkpoints are saved synchronously (its own save runs collectives on "
+                     "the training process group), not checkpoint.mode=async", self.view.strategy)
         # Two gloo groups, created in the same order on every rank: one for the writer
         # thread's commit exchange, one for the loop's per-step agreement.
         self.group = default_group(env)

@@ -11,14 +11,8 @@ from pathlib import Path
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.indexing import index_existing
 from hpctrain.data.manifest import summarize
-from hpctrain.data.sources import (
-    DEFAULT_SEQ_LEN,
-    VAL_FRACTION,
-    PackOptions,
-    open_source,
-    pack_choices,
-    pack_source,
-)
+from hpctrain.data.pack import DEFAULT_SEQ_LEN, VAL_FRACTION, PackOptions
+from hpctrain.data.sources import open_source, pack_choices, pack_source
 from hpctrain.data.verify import verify
 from hpctrain.data.writer import parse_size, write_shards
 

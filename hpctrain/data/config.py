@@ -7,6 +7,13 @@ from typing import Literal
 
 from hpctrain.section import ConfigError, at_least, opt, positive
 
+SPLITS = ("train", "val", "test")  # what a source may be asked for; data.val_split names one of the last two
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {SPLITS}")
+
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:

@@ -10,8 +10,16 @@ import numpy as np
 
 from hpctrain.data.errors import ShardError
 from hpctrain.data.manifest import IMAGE_EXTS
-from hpctrain.data.pack import PackSource, Samples, cls_bytes, labelled_samples, npy_bytes, sample_key
-from hpctrain.data.sources import DEFAULT_PACK, PackOptions
+from hpctrain.data.pack import (
+    DEFAULT_PACK,
+    PackOptions,
+    PackSource,
+    Samples,
+    cls_bytes,
+    labelled_samples,
+    npy_bytes,
+    sample_key,
+)
 
 
 def imagefolder_source(root: str, split: str, options: PackOptions = DEFAULT_PACK) -> PackSource:

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from hpctrain.data.batch import ArrayDataset
+from hpctrain.data.config import SPLITS, check_split
 from hpctrain.data.errors import DataMissingError
-from hpctrain.data.pack import PackSource, labelled_samples, png_bytes
-from hpctrain.data.sources import DEFAULT_PACK, SPLITS, PackOptions, check_split
+from hpctrain.data.pack import DEFAULT_PACK, PackOptions, PackSource, labelled_samples, png_bytes
 
 if TYPE_CHECKING:
     from hpctrain.data.config import DataConfig

@@ -1,5 +1,6 @@
-"""What ``hpctrain data shard`` packs (:class:`PackSource`: samples as ``(key, {ext: bytes})``,
-their count, manifest metadata), and the field encoders the sources share."""
+"""What a source's ``pack`` hook takes (:class:`PackOptions`) and gives (:class:`PackSource`:
+samples as ``(key, {ext: bytes})``, their count, manifest metadata) for ``hpctrain data shard``,
+and the field encoders the sources share."""
 
 from __future__ import annotations
 
@@ -11,6 +12,20 @@ from typing import Any
 import numpy as np
 
 Samples = Iterator[tuple[str, dict[str, bytes]]]
+DEFAULT_SEQ_LEN = 128  # text: tokens per sample
+VAL_FRACTION = 0.1  # text: the share of documents held out
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """``hpctrain data shard`` flags, for the sources that read them (text)."""
+
+    seq_len: int = DEFAULT_SEQ_LEN
+    glob: str | None = None  # the documents of a directory or archive; None = the source's own
+    val_fraction: float = VAL_FRACTION
+
+
+DEFAULT_PACK = PackOptions()
 
 
 @dataclass

@@ -22,15 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain.data.config import DataConfig
 from hpctrain.data.errors import ShardError
+from hpctrain.data.pack import DEFAULT_PACK, PackOptions, PackSource
 from hpctrain.section import ConfigError
 
 if TYPE_CHECKING:
     from hpctrain.data.batch import ArrayDataset
-    from hpctrain.data.pack import PackSource
-
-SPLITS = ("train", "val", "test")
-DEFAULT_SEQ_LEN = 128  # text: tokens per sample
-VAL_FRACTION = 0.1  # text: the share of documents held out
 
 
 @dataclass(frozen=True)
@@ -44,17 +40,6 @@ class Source:
     pack_splits: tuple[str, ...] = ("train",)  # the splits ``hpctrain data shard`` writes without --split
     note: str = ""  # shown after the name in data.name's list of choices
 
-
-@dataclass(frozen=True)
-class PackOptions:
-    """``hpctrain data shard`` flags, for the sources that read them (text)."""
-
-    seq_len: int = DEFAULT_SEQ_LEN
-    glob: str | None = None  # the documents of a directory or archive; None = the source's own
-    val_fraction: float = VAL_FRACTION
-
-
-DEFAULT_PACK = PackOptions()
 
 _SOURCES: dict[str, Source] = {
     "mnist": Source(memory="hpctrain.data.mnist:mnist_split", pack="hpctrain.data.mnist:mnist_source"),
@@ -110,11 +95,6 @@ def pack_source(spec: str) -> tuple[Source, str]:
     return source, arg
 
 
-def check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r} is not one of {SPLITS}")
-
-
 def load_split(data: DataConfig, split: str, seed: int) -> ArrayDataset:
     """``data.name``'s split in memory (``data.path``, ``data.synthetic_size`` as the source reads them)."""
     source = data_source(data.name)
@@ -138,13 +118,3 @@ def open_source(spec: str, split: str, options: PackOptions = DEFAULT_PACK) -> P
     packed: PackSource = hook(source.pack)(arg, split, options)
     return packed
 
-
-def __getattr__(name: str) -> Any:
-    # TRANSITIONAL (issue 15): hpctrain/tasks/*.py and hpctrain/evaluation/{evaluate,pipeline}.py still
-    # import Batch from here; they move to hpctrain.data.batch with the lead's call-site changes, then
-    # this function goes. Lazy, so naming sources still imports no torch.
-    if name == "Batch":
-        from hpctrain.data.batch import Batch
-
-        return Batch
-    raise AttributeError(f"module 'hpctrain.data.sources' has no attribute {name!r}")

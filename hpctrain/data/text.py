@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,8 +42,16 @@ from hpctrain.cache import cache_root
 from hpctrain.data.errors import DataMissingError, ShardError
 from hpctrain.data.manifest import manifest_path
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.data.pack import PackSource, npy_bytes, sample_key
-from hpctrain.data.sources import DEFAULT_PACK, DEFAULT_SEQ_LEN, VAL_FRACTION, PackOptions, open_source
+from hpctrain.data.pack import (
+    DEFAULT_PACK,
+    DEFAULT_SEQ_LEN,
+    VAL_FRACTION,
+    PackOptions,
+    PackSource,
+    Samples,
+    npy_bytes,
+    sample_key,
+)
 from hpctrain.data.writer import write_shards
 from hpctrain.env import ClusterEnv
 
@@ -138,7 +146,7 @@ def text_source(path: str | Path, split: str, seq_len: int = DEFAULT_SEQ_LEN, gl
     stacked = np.concatenate(per_doc)
     order = np.random.default_rng(0).permutation(len(stacked))  # mix documents across shards
 
-    def gen() -> Iterator[tuple[str, dict[str, bytes]]]:
+    def gen() -> Samples:
         for i, row in enumerate(order):
             yield sample_key(split, i), {"npy": npy_bytes(stacked[row])}
     meta = {"source": source or f"text:{path}", "task": "causal_lm", "tokenizer": "bytes", "vocab_size": VOCAB,
@@ -164,11 +172,12 @@ def write_text_shards(spec: str, out_dir: str | Path, *, seq_len: int = DEFAULT_
                       val_fraction: float = VAL_FRACTION, samples_per_shard: int | None = None,
                       max_bytes: int | None = None, splits: tuple[str, ...] = TEXT_SPLITS,
                       progress: Callable[[int], object] | None = None) -> dict[str, dict[str, Any]]:
-    """Shard ``spec`` into ``out_dir``; returns {split: manifest}."""
+    """Shard ``spec`` (``text:PATH`` or ``shakespeare``) into ``out_dir``; returns {split: manifest}."""
     out = {}
     options = PackOptions(seq_len, glob, val_fraction)
-    for split in splits:
-        source = open_source(spec, split, options)
+    for split in splits:  # its own two names: a module the registry points at never imports the registry
+        source = shakespeare_pack("", split, options) if spec == "shakespeare" else \
+            text_pack(spec.removeprefix("text:"), split, options)
         out[split] = write_shards(source.samples, out_dir, split, samples_per_shard=samples_per_shard,
                                   max_bytes=max_bytes, meta=source.meta, progress=progress)
     return out

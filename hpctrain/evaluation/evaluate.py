@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hpctrain.data import EvalBatches
-from hpctrain.data.sources import Batch
+from hpctrain.data.batch import Batch
 from hpctrain.env import ClusterEnv, collective_device
 from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.precision import Precision

@@ -11,7 +11,6 @@ import torch
 from hpctrain import env as cluster
 from hpctrain.config import Config
 from hpctrain.data import build_val_loader
-from hpctrain.data.text import text_layout
 from hpctrain.errors import UserError, agree
 from hpctrain.evaluation.evaluate import evaluate, write_predictions
 from hpctrain.models import build_model
@@ -70,20 +69,14 @@ def run_eval(cfg: Config, weights: Path, out_dir: Path | None = None, prediction
 
 
 def _prepare(cfg: Config, env: cluster.ClusterEnv, weights: Path) -> tuple[Any, int, torch.nn.Module, Task]:
-    loader, data_classes, input_shape = build_val_loader(cfg, env)
-    task = resolve_task(cfg.train.task, _data_task(cfg, loader), cfg.data.name)
-    num_classes = cfg.model.num_classes or data_classes
-    model = build_model(cfg.model.name, num_classes, input_shape=input_shape, input_dtype=task.input_dtype,
-                        config=cfg.model)
+    val = build_val_loader(cfg.data, env, seed=cfg.seed, seq_len=cfg.model.seq_len,
+                           num_classes=cfg.model.num_classes)
+    task = resolve_task(cfg.train.task, val.layout.task, cfg.data.name)
+    num_classes = cfg.model.num_classes or val.layout.num_classes
+    model = build_model(cfg.model.name, num_classes, input_shape=val.layout.input_shape,
+                        input_dtype=task.input_dtype, config=cfg.model)
     load_weights(model, weights)
-    return loader, num_classes, model, task
-
-
-def _data_task(cfg: Config, loader: Any) -> str:
-    """What the evaluation data is for: causal_lm for text shards (their manifest says so)."""
-    index = getattr(loader, "index", None)  # shard loaders only
-    text = index is not None and text_layout(index.root, cfg.data.val_split) is not None
-    return "causal_lm" if text else "classification"
+    return val.loader, num_classes, model, task
 
 
 def _write(report: dict[str, Any], predictions: list[dict[str, Any]] | None, target: Path) -> None:

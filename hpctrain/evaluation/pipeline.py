@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.data import EvalBatches
-from hpctrain.data.sources import Batch
+from hpctrain.data.batch import Batch
 from hpctrain.env import ClusterEnv
 from hpctrain.evaluation.evaluate import EvalResult, lockstep
 from hpctrain.evaluation.metrics import Metric

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hpctrain.parallel.registry import strategy_names
 from hpctrain.section import ConfigError, at_least, opt, positive
 
-Strategy = Literal["ddp", "zero1", "fsdp", "hsdp", "deepspeed"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Checkpointing = Literal["none", "block", "selective"]
 DTypeName = Literal["auto", "fp32", "bf16", "fp16"]
@@ -23,7 +23,7 @@ SHARDED = ("fsdp", "hsdp")
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    strategy: Strategy = opt("ddp", "Data-parallel strategy: ddp | zero1 (optimizer state sharded, over DDP) | fsdp (FSDP2; ZeRO-3, or ZeRO-2 with reshard_after_forward=false) | hsdp (replicate across nodes, shard within) | deepspeed (ZeRO stage from deepspeed_stage; needs the deepspeed extra).")
+    strategy: str = opt("ddp", "Data-parallel strategy: ddp | zero1 (optimizer state sharded, over DDP) | fsdp (FSDP2; ZeRO-3, or ZeRO-2 with reshard_after_forward=false) | hsdp (replicate across nodes, shard within) | deepspeed (ZeRO stage from deepspeed_stage; needs the deepspeed extra).")
     dp: int = opt(0, "Data-parallel degree; 0 = world size / (tp x pp). dp x tp x pp must equal the world size.")
     tp: int = opt(1, "Tensor-parallel degree (DTensor column/row plans for attention and MLP; keep it within a node). Needs a model whose `blocks` hold Linears q, k, v, o, up, down (the gpt), with heads divisible by tp; the tp ranks of one replica read the same batches. tp > 1 with dp > 1 needs strategy fsdp or hsdp.")
     pp: int = opt(1, "Pipeline-parallel degree (torch.distributed.pipelining stages, blocks split evenly). pp > 1 with dp > 1 needs strategy fsdp or hsdp.")
@@ -48,6 +48,7 @@ class ParallelConfig:
     broadcast_buffers: bool = opt(True, "DDP: broadcast buffers (e.g. BatchNorm stats) from rank 0 each forward.")
 
     def __post_init__(self) -> None:
+        _one_of("parallel.strategy", self.strategy, strategy_names())  # the registry's names (parallel/registry.py)
         positive("parallel", self, "init_timeout_s", "bucket_cap_mb", "tp", "pp", "microbatches", "virtual_stages")
         at_least("parallel", self, "dp", 0)
         at_least("parallel", self, "dp_replicate", 0)
@@ -69,6 +70,11 @@ class ParallelConfig:
                               f"(got {self.strategy})")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (got tp=1)")
+
+
+def _one_of(key: str, value: str, names: tuple[str, ...]) -> None:
+    if value not in names:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(names)}")
 
 
 @dataclass(frozen=True)

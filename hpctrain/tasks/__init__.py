@@ -1,24 +1,36 @@
 """Tasks: what the loop trains for. ``classification`` (one label per sample) and ``causal_lm``
-(next-token prediction); the data chooses (``DataBundle.task``) unless a task is named."""
+(next-token prediction); the data chooses (``DataBundle.task``) unless a task is named. Tasks
+are found by name in :mod:`hpctrain.tasks.registry`; importing this package loads no torch."""
 
 from __future__ import annotations
 
-from hpctrain.errors import UserError
-from hpctrain.tasks.base import CrossEntropyTask, Task, select_keys
-from hpctrain.tasks.causal_lm import CausalLM, TokenMetrics
-from hpctrain.tasks.classification import Classification, masked_cross_entropy
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["TASKS", "CausalLM", "Classification", "CrossEntropyTask", "Task", "TokenMetrics", "build_task",
+from hpctrain.errors import UserError
+from hpctrain.tasks.registry import task_class
+
+if TYPE_CHECKING:
+    from hpctrain.tasks.base import CrossEntropyTask, Task, select_keys
+    from hpctrain.tasks.causal_lm import CausalLM, TokenMetrics
+    from hpctrain.tasks.classification import Classification, masked_cross_entropy
+
+__all__ = ["CausalLM", "Classification", "CrossEntropyTask", "Task", "TokenMetrics", "build_task",
            "masked_cross_entropy", "resolve_task", "select_keys"]
 
-TASKS: dict[str, type[CrossEntropyTask]] = {"classification": Classification, "causal_lm": CausalLM}
+_LAZY = {"CrossEntropyTask": "base", "Task": "base", "select_keys": "base", "CausalLM": "causal_lm",
+         "TokenMetrics": "causal_lm", "Classification": "classification", "masked_cross_entropy": "classification"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"hpctrain.tasks.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'hpctrain.tasks' has no attribute {name!r}")
 
 
 def build_task(name: str) -> Task:
     """The task by name (``DataBundle.task``, or ``train.task``)."""
-    if name not in TASKS:
-        raise UserError(f"task {name!r} is unknown; choose one of: {', '.join(TASKS)}")
-    return TASKS[name]()
+    return task_class(name)()
 
 
 def resolve_task(name: str, data_task: str, data_name: str) -> Task:

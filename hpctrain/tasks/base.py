@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.data.sources import Batch
+from hpctrain.data.batch import Batch
 from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.precision import Precision
 from hpctrain.telemetry.flops import train_step_flops

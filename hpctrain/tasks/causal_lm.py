@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hpctrain.data.sources import Batch
+from hpctrain.data.batch import Batch
 from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.tasks.base import CrossEntropyTask
 

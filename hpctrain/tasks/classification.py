@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpctrain.data.sources import Batch
+from hpctrain.data.batch import Batch
 from hpctrain.evaluation.metrics import Metric, default_metrics
 from hpctrain.tasks.base import CrossEntropyTask
 

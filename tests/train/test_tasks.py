@@ -47,9 +47,9 @@ def test_classification_loss_is_the_mean_cross_entropy_over_real_samples():
     inputs, targets = task.split(batch)
     assert inputs is batch.inputs and targets is batch.targets
     logits = HAND_LOGITS.clone().requires_grad_()
-    assert math.isclose(float(task.loss(logits, targets, None)), sum(HAND_LOSSES) / 4, rel_tol=1e-6)
+    assert math.isclose(task.loss(logits, targets, None).item(), sum(HAND_LOSSES) / 4, rel_tol=1e-6)
     loss = task.loss(logits, targets, HAND_MASK)
-    assert math.isclose(float(loss), sum(HAND_LOSSES[i] for i in REAL) / 3, rel_tol=1e-6)
+    assert math.isclose(loss.item(), sum(HAND_LOSSES[i] for i in REAL) / 3, rel_tol=1e-6)
     torch.testing.assert_close(loss, F.cross_entropy(HAND_LOGITS[REAL], HAND_TARGETS[REAL]))  # torch's own
     (grad,) = torch.autograd.grad(loss, logits)
     expected = (HAND_PROBS - F.one_hot(HAND_TARGETS, 3)) / 3  # d(mean CE)/d logits = (p - y) / real samples
@@ -60,7 +60,7 @@ def test_classification_loss_is_the_mean_cross_entropy_over_real_samples():
     assert torch.equal(task.loss(garbage, targets, HAND_MASK), loss.detach())
     padding_only = logits.detach().clone().requires_grad_()
     nothing = task.loss(padding_only, targets, torch.zeros(4, dtype=torch.bool))
-    assert float(nothing) == 0.0  # a rank with only padding adds nothing (and no NaN) to DDP's average
+    assert nothing.item() == 0.0  # a rank with only padding adds nothing (and no NaN) to DDP's average
     assert torch.equal(torch.autograd.grad(nothing, padding_only)[0], torch.zeros(4, 3))
 
 
