@@ -336,7 +336,8 @@ def _validate(loop: Loop) -> None:
     parts, result = loop.parts, loop.result
     if parts.val_loader is None:
         return
-    res = parts.strategy.evaluate(parts.val_loader, parts.metrics, parts.task, batch_size=eval_batch_size(loop.cfg.data))
+    res = parts.strategy.evaluate(parts.val_loader, parts.metrics, parts.task,
+                                  batch_size=eval_batch_size(loop.cfg.data))
     result.eval_seconds += res.seconds
     result.last_eval, result.last_eval_step = res, parts.counters.step
     scalars = {f"val_{k}": v for k, v in res.metrics.items() if isinstance(v, (int, float))}

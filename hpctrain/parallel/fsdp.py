@@ -1,5 +1,5 @@
-"""``parallel.strategy=fsdp`` / ``hsdp``. FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded over the
-data-parallel mesh. One unit per transformer block (per child module for other models),
+"""``parallel.strategy=fsdp`` / ``hsdp``. FSDP2 (``fully_shard``): parameters, gradients and
+optimizer state sharded over the data-parallel mesh. One unit per transformer block (per child module for other models),
 then the root, so only one unit's full parameters exist at a time.
 
 ``reshard_after_forward=True`` frees the gathered parameters after each unit's forward and
