@@ -403,6 +403,14 @@ def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
     """``cfg`` as this world size runs it; ``given`` (default: cfg) as the user wrote it, for config.yaml."""
     signals = SignalFlag(cfg.checkpoint.signals if cfg.checkpoint.enabled else [])
     signals.install()  # early: a preemption during set-up must not kill the job unsaved
+    try:  # and gone again however the run ends: a caller in this process keeps its own handlers
+        return _set_up_and_run(cfg, plan, env, device, run_dir, given or cfg, signals)
+    finally:
+        signals.uninstall()
+
+
+def _set_up_and_run(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
+                    given: Config, signals: SignalFlag) -> dict[str, Any]:
     configure_runtime(cfg, env)
     data = load_data(cfg, plan.data_env(env), device)
     parts = build_components(cfg, env, device, data, plan)
@@ -412,14 +420,21 @@ def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
     # dropout etc. differ per replica; the tp ranks of one replica draw the same masks on the
     # activations they all hold (data order is the same everywhere)
     seed_everything(cfg.seed + plan.dp_rank)
-    ckpt = None
-    if cfg.checkpoint.enabled:
-        ckpt = Checkpointer(run_dir, env, device, cfg.checkpoint, parts.checkpoint_state(), run_config=to_dict(cfg),
-                            signals=signals)
-        ckpt.resume(cfg.resume)  # before metrics.jsonl opens: resume trims rows past the checkpoint
-    tel = _build_telemetry(cfg, env, device, run_dir, parts, signals, ckpt)
+    ckpt = tel = None
+    try:
+        if cfg.checkpoint.enabled:
+            ckpt = Checkpointer(run_dir, env, device, cfg.checkpoint, parts.checkpoint_state(),
+                                run_config=to_dict(cfg), signals=signals)
+            ckpt.resume(cfg.resume)  # before metrics.jsonl opens: resume trims rows past the checkpoint
+        # a logger whose package is missing fails every rank here, before config.yaml or status.json
+        tel = Telemetry.build(cfg.telemetry, env, device, parts.counters.step, batch=plan, precision=cfg.precision,
+                              log_every=cfg.train.log_every, run_dir=run_dir, run_config=to_dict(cfg))
+    except BaseException:
+        if ckpt is not None:
+            ckpt.abandon()
+        raise
     if env.is_main:
-        atomic_write_text(run_dir / "config.yaml", to_yaml(given or cfg))
+        atomic_write_text(run_dir / "config.yaml", to_yaml(given))
         write_status(run_dir, "running", step=parts.counters.step)
         log.info("training %s on %s: %d train / %d val samples, world size %d, device %s; global batch %d = "
                  "%d per rank x %d micro-steps x %d %s", cfg.model.name, cfg.data.name, data.train_size,
@@ -432,7 +447,6 @@ def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
             write_status(run_dir, "failed", step=parts.counters.step)
         raise
     finally:
-        signals.uninstall()
         tel.close()
     if result.preempted:
         return _preempted(env, run_dir, parts, ckpt)
@@ -445,21 +459,6 @@ def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
                  "val_count", "samples_per_s", "tokens_per_s", "skipped_samples")
         log.info("done: %s", ", ".join(f"{k}={summary[k]}" for k in shown if summary.get(k) is not None))
     return summary
-
-
-def _build_telemetry(cfg: Config, env: cluster.ClusterEnv, device: torch.device, run_dir: Path, parts: Components,
-                     signals: SignalFlag, ckpt: Checkpointer | None) -> Telemetry:
-    """Meter, loggers (metrics.jsonl opens here), stragglers, profiler. A logger whose package
-    is missing fails every rank here, before config.yaml or status.json is written."""
-    try:
-        return Telemetry.build(cfg.telemetry, env, device, parts.counters.step, batch=parts.plan,
-                               precision=cfg.precision, log_every=cfg.train.log_every, run_dir=run_dir,
-                               run_config=to_dict(cfg))
-    except BaseException:
-        signals.uninstall()
-        if ckpt is not None:
-            ckpt.abandon()
-        raise
 
 
 def _run_loop(loop: Loop) -> LoopResult:

@@ -23,8 +23,8 @@ CASES = {
     "workers": "data.num_workers 0/1/2/4/8 reading tar shards: samples/s and data-wait share",
     "batch": "batch size vs samples/s and peak memory",
     "checkpoint": "checkpoint save/load bandwidth against dd, torch.save and torch.distributed.checkpoint",
-    "strategies": ("ddp, zero1, fsdp ZeRO-2/3, deepspeed 1-3, tp2, pp2 on a GPT: tokens/s and per-rank memory "
-                   "(params/grads/optimizer/activations)"),
+    "strategies": ("ddp, zero1, fsdp ZeRO-2/3, fsdp with CPU offload, deepspeed 1-3, tp2, pp2 on a GPT: tokens/s and "
+                   "per-rank memory (params/grads/optimizer/activations)"),
 }
 
 

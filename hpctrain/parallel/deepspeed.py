@@ -142,8 +142,8 @@ class DeepSpeed(Strategy):
 
     @classmethod
     def check(cls, cfg: Config, plan: Plan) -> None:
-        super().check(cfg, plan)
         """DeepSpeed importable, with the install hint (a UserError), before the process group."""
+        super().check(cfg, plan)
         import_deepspeed()
 
     def setup(self, factory: Factory, *, loss_fn: LossFn,

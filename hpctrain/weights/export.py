@@ -273,6 +273,13 @@ def _check(spec: TensorSpec, tensor: torch.Tensor | None) -> None:
 # ---------------------------------------------------------------- sources
 
 
+def save_model(model: nn.Module | dict[str, torch.Tensor], path: Path) -> None:
+    """A model's state dict (or a whole one) as one consolidated file (``.pt`` or ``.safetensors``),
+    written tensor by tensor."""
+    state = model.state_dict() if isinstance(model, nn.Module) else model
+    write_stream(path, dict_source(state))
+
+
 def dict_source(state: dict[str, torch.Tensor]) -> Source:
     """Whole tensors already in memory (one process, DDP, DeepSpeed's own gather), by clean name."""
     named = sorted((clean_name(k), v) for k, v in state.items() if isinstance(v, torch.Tensor))

@@ -25,7 +25,7 @@ from hpctrain.data.text import write_text_shards
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import PeerError, RunError, agree
 from hpctrain.models.gpt import GPT, GPTShape
-from hpctrain.rundir import ParamsHash, param_names, params_sha256, save_model
+from hpctrain.rundir import ParamsHash, param_names, params_sha256
 from hpctrain.weights.export import (
     ExportError,
     ExportFormatError,
@@ -36,6 +36,7 @@ from hpctrain.weights.export import (
     dict_source,
     model_source,
     pipeline_source,
+    save_model,
     write_stream,
 )
 from tests.dist_utils import run_ranks

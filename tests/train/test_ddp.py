@@ -1,5 +1,6 @@
 """DDP on real gloo ranks equals one process with the global batch; accumulation equals a big batch."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from hpctrain.config import load_config
+from hpctrain.env import ClusterEnv
 from hpctrain.parallel import unwrap
 from hpctrain.train import build_components, fit, load_data
 from tests.dist_utils import launch_env, run_ranks
@@ -114,26 +116,34 @@ def test_clipping_limits_the_global_norm_the_optimizer_sees():
     assert ranks[0] == ranks[1]  # clipped after the all-reduce: the same norm on every rank
 
 
-def test_no_sync_dispatch():
+def test_inner_micro_steps_skip_the_gradient_sync():
+    """The DDP strategy's micro-step enters DDP's no_sync() on inner micro-steps of accumulation
+    only, and the last one (sync=True) all-reduces as usual."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hpctrain.parallel.ddp import no_sync
+    from hpctrain.parallel.config import ParallelConfig
+    from hpctrain.parallel.ddp import DDP
+    from hpctrain.parallel.plan import plan_for
 
     class Fake(DistributedDataParallel):
         def __init__(self):  # no process group needed to check the dispatch
             torch.nn.Module.__init__(self)
-            self.entered = 0
+            self.inner, self.entered = torch.nn.Linear(4, 2), 0
+
+        def forward(self, x):
+            return self.inner(x)
 
         def no_sync(self):
             self.entered += 1
-            return torch.autograd.grad_mode.no_grad()
+            return contextlib.nullcontext()
 
-    fake = Fake()
-    with no_sync(fake, skip=True):
-        pass
-    with no_sync(fake, skip=False):
-        pass
-    assert fake.entered == 1
+    strategy = DDP(plan_for(ParallelConfig(), ClusterEnv()), ClusterEnv(), torch.device("cpu"), ParallelConfig())
+    strategy.model, strategy.loss_fn = Fake(), lambda out, target, mask: out.sum()
+    inputs, targets = torch.ones(3, 4), torch.zeros(3)
+    strategy.micro_step(inputs, targets, None, sync=False, accum=2)
+    assert strategy.model.entered == 1
+    strategy.micro_step(inputs, targets, None, sync=True, accum=2)
+    assert strategy.model.entered == 1
 
 
 # ---------------------------------------------------------------- elastic resume keeps the global batch

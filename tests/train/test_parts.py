@@ -213,3 +213,18 @@ def test_best_is_tracked_in_training():
     result = loop.result
     assert result.best["metric"] == "val_loss" and result.best["value"] == result.last_eval.metrics["loss"]
     assert result.last_eval.metrics["count"] == 256 // 5
+
+
+def test_a_failed_start_leaves_the_callers_signal_handlers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """train() installs its preemption handlers before set-up; a start that fails (here: a model
+    with the wrong output shape) puts the caller's handlers back, so SIGTERM is not swallowed."""
+    import signal
+
+    from hpctrain.models import ModelError
+    from hpctrain.train import train
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    with pytest.raises(ModelError):
+        train(load_config(None, ["model.name=tests.user_models:three_classes", "data.name=synthetic_tiny",
+                                 "data.synthetic_size=64", f"run.dir={tmp_path / 'run'}"]))
+    assert {sig: signal.getsignal(sig) for sig in before} == before

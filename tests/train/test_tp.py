@@ -22,7 +22,7 @@ from hpctrain.evaluation.evaluate import evaluate
 from hpctrain.evaluation.metrics import default_metrics
 from hpctrain.parallel import mesh_for
 from hpctrain.parallel.mesh import dp_group
-from hpctrain.parallel.plan import make_plan
+from hpctrain.parallel.plan import make_plan, plan_for
 from hpctrain.train import train
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import ROOT, launch_env, run_ranks
@@ -79,7 +79,8 @@ def tp2(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _data_env(cfg, env):  # type: ignore[no-untyped-def]
-    return make_plan(cfg, env)[1].data_env(env)
+    """The world the data sees: one rank per data-parallel replica (the run's plan, hpctrain.parallel.plan)."""
+    return plan_for(cfg.parallel, env).data_env(env)
 
 
 def test_data_env_is_the_dp_coordinate() -> None:
