@@ -23,7 +23,8 @@ from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, FORWARD, OPTIM, OTHER
 
 def per_step_us(calls: int) -> float:
     cfg = load_config(None, ["telemetry.peak_tflops=1"])
-    tel = Telemetry.build(cfg.telemetry, ClusterEnv(), torch.device("cpu"), 0, batch=plan_for(cfg.parallel, ClusterEnv()))
+    plan = plan_for(cfg.parallel, ClusterEnv())
+    tel = Telemetry.build(cfg.telemetry, ClusterEnv(), torch.device("cpu"), 0, batch=plan)
     meter = tel.meter
     meter.counted = True
 

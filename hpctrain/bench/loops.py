@@ -47,7 +47,8 @@ def run_hpctrain(cfg: Config, device: torch.device = CPU) -> tuple[float, torch.
     env = ClusterEnv()
     parts = build_components(cfg, env, device, load_data(cfg, env, device, with_val=False))
     with tempfile.TemporaryDirectory() as run_dir:
-        ckpt = Checkpointer(Path(run_dir), env, device, cfg.checkpoint, parts.checkpoint_state(), run_config=to_dict(cfg))
+        ckpt = Checkpointer(Path(run_dir), env, device, cfg.checkpoint, parts.checkpoint_state(),
+                            run_config=to_dict(cfg))
         seed_everything(cfg.seed)
         start = time.perf_counter()
         fit(cfg, env, device, parts, ckpt=ckpt)

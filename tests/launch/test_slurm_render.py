@@ -2,7 +2,8 @@
 ``bash -n`` on each, the batch shell's trap/requeue rule run by bash itself, and the option
 checks that must fail before anything is written (issue 9, section 1).
 
-Regenerate the golden files after an intended change: ``HPCTRAIN_UPDATE_GOLDEN=1 pytest tests/launch/test_slurm_render.py``.
+Regenerate the golden files after an intended change:
+``HPCTRAIN_UPDATE_GOLDEN=1 pytest tests/launch/test_slurm_render.py``.
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def test_token_models_are_checked_with_integer_inputs():
 
 
 def test_kwargs_factory_receives_both_arguments():
-    assert build_model("tests.user_models:any_kwargs", 4, input_shape=TINY).got == {"num_classes": 4, "in_channels": 128}
+    got = build_model("tests.user_models:any_kwargs", 4, input_shape=TINY).got
+    assert got == {"num_classes": 4, "in_channels": 128}
 
 
 @pytest.mark.parametrize("name, shape, hint", [

@@ -134,7 +134,8 @@ def test_deepspeed_zero3_counts_partitions_and_the_parameters_it_keeps_whole():
 
 def test_train_summary_has_the_memory_breakdown(tmp_path):
     """``hpctrain train``: summary.json's ``memory_breakdown`` (needs the loop to arm the probe)."""
-    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=64",
+    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny",
+                             "data.synthetic_size=64",
                              "data.batch_size=16", "train.progress=false", "train.threads=1", "train.max_steps=2",
                              "data.max_val_samples=16", "checkpoint.enabled=false", f"run.dir={tmp_path / 'run'}"])
     (row,) = train(cfg)["memory_breakdown"]

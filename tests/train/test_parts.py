@@ -84,7 +84,8 @@ def test_deterministic_runs_repeat_bit_for_bit():
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_clip_grad_norm_limits_the_norm_the_optimizer_sees(precision):
     """Fails if clipping does nothing, or (fp16) clips the loss-scaled gradients before unscaling."""
-    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=512",
+    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny",
+                             "data.synthetic_size=512",
                              "data.batch_size=16", "train.max_steps=4", "train.progress=false",
                              "train.eval_each_epoch=false", "train.clip_grad_norm=0.01", f"precision={precision}"])
     env = ClusterEnv()
@@ -103,7 +104,8 @@ def _grad_norm(optimizer: torch.optim.Optimizer) -> float:
 def test_resume_mid_accumulation_keeps_whole_optimizer_steps():
     """A loader resumed at an odd micro-batch (another world size's step boundary): every optimizer
     step still takes exactly grad_accum micro-batches, each counted from the resume point."""
-    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
+    cfg = load_config(None, ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny",
+                             "data.synthetic_size=256",
                              "data.batch_size=16", "train.grad_accum=2", "train.progress=false",
                              "train.eval_each_epoch=false", "train.log_every=1000"])
     env = ClusterEnv()
