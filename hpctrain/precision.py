@@ -7,7 +7,6 @@ from typing import Any, Literal
 
 import torch
 
-PrecisionMode = Literal["fp32", "bf16", "fp16"]  # the top-level config key `precision`
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _NO_AUTOCAST = contextlib.nullcontext()  # fp32: one shared, reusable context for every micro-step
 

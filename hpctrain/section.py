@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from hpctrain.errors import UserError
 
 T = TypeVar("T")
+
+PrecisionMode = Literal["fp32", "bf16", "fp16"]  # the top-level config key `precision`
 
 
 class ConfigError(UserError):

@@ -32,7 +32,7 @@ from hpctrain.models import build_model
 from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
 from hpctrain.parallel.base import Strategy
 from hpctrain.parallel.plan import Plan, make_plan
-from hpctrain.parallel.registry import strategy_class
+from hpctrain.parallel.registry import make_strategy
 from hpctrain.precision import Precision
 from hpctrain.rundir import (
     atomic_write_text,
@@ -146,9 +146,8 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
         return build_model(cfg.model.name, num_classes, input_shape=data.input_shape, input_dtype=data.input_dtype,
                            config=cfg.model)
 
-    strategy = strategy_class(plan.strategy)(plan, env, device, cfg.parallel, precision=cfg.precision,
-                                              compile=cfg.train.compile, seed=cfg.seed,
-                                              clip_grad_norm=cfg.train.clip_grad_norm)
+    strategy = make_strategy(plan.strategy, plan, env, device, cfg.parallel, precision=cfg.precision,
+                             compile=cfg.train.compile, seed=cfg.seed, clip_grad_norm=cfg.train.clip_grad_norm)
     steps = total_steps(cfg, len(data.train_loader))
     needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
     lr = peak_lr(cfg.optim, plan.global_batch)

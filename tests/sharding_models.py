@@ -149,19 +149,18 @@ def train_toy(env, overrides: dict, steps: int = 10, layers: int = 4, lr: float 
     (whole), the final weights (whole) and this rank's parameter/gradient/optimizer bytes."""
     import torch.distributed as dist
 
-    from hpctrain.parallel import build_parallel, mesh_for
+    import contextlib
+
+    from hpctrain.parallel import mesh_for, strategy_for
     from hpctrain.parallel.config import ParallelConfig
-    from hpctrain.parallel.ddp import no_sync
     from hpctrain.parallel.footprint import state_bytes
-    from hpctrain.parallel.zero import zero1_from
 
     cfg = ParallelConfig(**overrides)
     mesh = mesh_for(env, cfg)[1] if env.distributed else None
     dp_rank, dp = (mesh["dp"].get_local_rank(), mesh["dp"].size()) if mesh is not None else (0, 1)
-    model = build_parallel(lambda: MODELS[model_name](layers), env, cfg, device=torch.device("cpu"), seed=0)
-    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    if cfg.strategy == "zero1" and env.distributed:
-        optimizer = zero1_from(optimizer)
+    strategy = strategy_for(cfg, env, torch.device("cpu"), seed=0, mesh=mesh)  # the strategy object's own parts
+    model = strategy.model = strategy.build_model(lambda: MODELS[model_name](layers))
+    optimizer = strategy.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))  # zero1: ZeRO-1
     losses, grads0, norms = [], None, []
     per_rank = GLOBAL_BATCH // dp
     for step, (inputs, targets) in enumerate(token_batches(steps, GLOBAL_BATCH)):
@@ -169,7 +168,7 @@ def train_toy(env, overrides: dict, steps: int = 10, layers: int = 4, lr: float 
         for micro in range(accum):  # inner micro-steps skip the gradient reduction (hpctrain's no_sync)
             size = per_rank // accum
             part = slice(dp_rank * per_rank + micro * size, dp_rank * per_rank + (micro + 1) * size)
-            with no_sync(model, skip=micro < accum - 1):
+            with strategy.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                 micro_loss = lm_loss(model(inputs[part]), targets[part]) / accum
                 micro_loss.backward()
             loss += micro_loss.detach()

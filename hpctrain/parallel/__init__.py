@@ -34,11 +34,11 @@ def strategy_for(cfg: ParallelConfig, env: ClusterEnv, device: torch.device, *, 
                  precision: str = "fp32", seed: int = 0, mesh: DeviceMesh | None = None) -> Strategy:
     """The registered strategy for ``parallel.*`` on this world (built once; it owns the mesh)."""
     from hpctrain.parallel.plan import plan_for
-    from hpctrain.parallel.registry import strategy_class
+    from hpctrain.parallel.registry import make_strategy
 
     plan = plan_for(cfg, env)
-    return strategy_class(plan.strategy)(plan, env, device, cfg, precision=precision, compile=compile, seed=seed,
-                                         mesh=mesh)
+    return make_strategy(plan.strategy, plan, env, device, cfg, precision=precision, compile=compile, seed=seed,
+                         mesh=mesh)
 
 
 def mesh_for(env: ClusterEnv, cfg: ParallelConfig, device_type: str = "cpu") -> tuple[Topology, DeviceMesh]:
@@ -90,9 +90,10 @@ def build_pipeline_step(model: nn.Module, env: ClusterEnv, cfg: ParallelConfig, 
     checkpointing and FSDP over dp applied per stage) behind a step function."""
     from hpctrain.parallel.pipeline_strategy import Pipeline
     from hpctrain.parallel.plan import plan_for
+    from hpctrain.parallel.registry import strategy_class
 
     plan = plan_for(cfg, env, grad_accum=grad_accum)
-    strategy = Pipeline(plan, env, device, cfg, precision=precision, mesh=mesh)
+    strategy = Pipeline(plan, env, device, cfg, precision=precision, mesh=mesh, stage=strategy_class(cfg.strategy))
     strategy.loss_fn = lambda out, tgt, mask: loss_fn(out, tgt)
     strategy.build_model(lambda: model)
     assert strategy.step is not None

@@ -52,6 +52,7 @@ class Strategy:
     """A whole model per rank; one process, or replicas kept in step by a subclass."""
 
     name: ClassVar[str] = "whole"
+    wraps_a_strategy: ClassVar[bool] = False  # built around another one (registry.make_strategy hands it over)
 
     def __init__(self, plan: Plan, env: ClusterEnv, device: torch.device, cfg: ParallelConfig, *,
                  precision: str = "fp32", compile: bool = False, seed: int = 0,

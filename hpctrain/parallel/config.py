@@ -10,12 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.parallel.registry import strategy_names
 from hpctrain.section import ConfigError, at_least, opt, positive
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Checkpointing = Literal["none", "block", "selective"]
 DTypeName = Literal["auto", "fp32", "bf16", "fp16"]
+
+# The values parallel.strategy takes: the user-facing names of hpctrain.parallel.registry, which
+# adds to this list when a strategy is registered (kept here so that checking a config imports
+# no strategy module).
+STRATEGY_NAMES: list[str] = ["ddp", "zero1", "fsdp", "hsdp", "deepspeed"]
 
 # Strategies that shard over the data-parallel dimension and so compose with tp / pp.
 SHARDED = ("fsdp", "hsdp")
@@ -48,7 +52,7 @@ class ParallelConfig:
     broadcast_buffers: bool = opt(True, "DDP: broadcast buffers (e.g. BatchNorm stats) from rank 0 each forward.")
 
     def __post_init__(self) -> None:
-        _one_of("parallel.strategy", self.strategy, strategy_names())  # the registry's names (parallel/registry.py)
+        _one_of("parallel.strategy", self.strategy, tuple(STRATEGY_NAMES))
         positive("parallel", self, "init_timeout_s", "bucket_cap_mb", "tp", "pp", "microbatches", "virtual_stages")
         at_least("parallel", self, "dp", 0)
         at_least("parallel", self, "dp_replicate", 0)

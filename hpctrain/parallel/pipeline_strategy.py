@@ -21,7 +21,6 @@ from hpctrain.parallel.clip import clip_grad_norm_
 from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.pipeline import PipelineStep, build_pipeline
 from hpctrain.parallel.pipeline_state import PipelineState
-from hpctrain.parallel.registry import strategy_class
 from hpctrain.parallel.state import ModelState
 from hpctrain.section import ConfigError
 from hpctrain.weights.export import Source, pipeline_source
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
 
 class Pipeline(Strategy):
     name = "pipeline"
+    wraps_a_strategy = True
 
     @classmethod
     def checkpoint_format(cls, cfg: ParallelConfig) -> str:
@@ -51,12 +51,11 @@ class Pipeline(Strategy):
             raise ConfigError(f"parallel.pp={p.pp}: the first and last stages cannot share the tied embedding; "
                               "hint: model.tie_weights=false")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stage: type[Strategy], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # what wraps each stage: the configured data-parallel strategy on the same mesh
-        self.stage_strategy = strategy_class(self.cfg.strategy)(
-            self.plan, self.env, self.device, self.cfg, precision=self.precision_mode, seed=self.seed,
-            mesh=self.mesh)
+        # what wraps each stage: the configured data-parallel strategy, on the same mesh
+        self.stage_strategy = stage(self.plan, self.env, self.device, self.cfg, precision=self.precision_mode,
+                                    seed=self.seed, mesh=self.mesh)
         self.step: PipelineStep | None = None
 
     def build_model(self, factory: Factory) -> nn.Module:

@@ -7,12 +7,18 @@ subclass and one line here (or :func:`register_strategy` from the user's own cod
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from hpctrain.parallel.config import STRATEGY_NAMES
 from hpctrain.section import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
+    from hpctrain.env import ClusterEnv
     from hpctrain.parallel.base import Strategy
+    from hpctrain.parallel.config import ParallelConfig
+    from hpctrain.parallel.plan import Plan
 
 # parallel.strategy values a user writes
 _USER: dict[str, str] = {
@@ -37,6 +43,8 @@ def strategy_names() -> tuple[str, ...]:
 def register_strategy(name: str, target: str, *, user_facing: bool = True) -> None:
     """Make ``parallel.strategy=name`` run the Strategy class at ``package.module:Class``."""
     (_USER if user_facing else _DERIVED)[name] = target
+    if user_facing and name not in STRATEGY_NAMES:
+        STRATEGY_NAMES.append(name)
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -47,3 +55,13 @@ def strategy_class(name: str) -> type[Strategy]:
     module, _, attr = target.partition(":")
     kind: type[Strategy] = getattr(importlib.import_module(module), attr)
     return kind
+
+
+def make_strategy(name: str, plan: Plan, env: ClusterEnv, device: torch.device, cfg: ParallelConfig,
+                  **options: Any) -> Strategy:
+    """The strategy ``name`` for this run. One that wraps another (pipeline stages, each run by the
+    data-parallel ``parallel.strategy``) is handed that one's class as ``stage``."""
+    kind = strategy_class(name)
+    if kind.wraps_a_strategy:
+        options["stage"] = strategy_class(cfg.strategy)
+    return kind(plan, env, device, cfg, **options)

@@ -65,7 +65,7 @@ def forward_flops(model: nn.Module, *inputs: Any) -> int:
 
 def _sharded(model: nn.Module) -> bool:
     """Shards on this rank (FSDP2, tensor parallel): only the meta count is safe."""
-    from hpctrain.parallel import is_sharded
+    from hpctrain.parallel.wrappers import is_sharded
 
     return is_sharded(model)
 

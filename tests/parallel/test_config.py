@@ -79,3 +79,21 @@ def test_deepspeed_missing_is_a_user_error_with_the_install_hint(monkeypatch):
     with pytest.raises(ds.DeepSpeedMissing, match=r"pip install .*hpctrain\[deepspeed\]") as err:
         ds.import_deepspeed()
     assert err.value.exit_code == 2
+
+
+def test_the_config_accepts_exactly_the_registered_strategies() -> None:
+    """parallel.strategy is checked against a name list that imports no strategy module; it must
+    stay the registry's, also after a registration (a user's own strategy)."""
+    from hpctrain.parallel import registry
+    from hpctrain.parallel.config import STRATEGY_NAMES
+
+    assert set(STRATEGY_NAMES) == set(registry.strategy_names())
+    registry.register_strategy("mine", "hpctrain.parallel.ddp:DDP")
+    try:
+        assert ParallelConfig(strategy="mine").strategy == "mine"
+        assert registry.strategy_class("mine").name == "ddp"
+    finally:
+        del registry._USER["mine"]
+        STRATEGY_NAMES.remove("mine")
+    with pytest.raises(ConfigError, match="choose one of: ddp, zero1, fsdp, hsdp, deepspeed"):
+        ParallelConfig(strategy="mine")
