@@ -15,7 +15,7 @@ def test_config_show_resolves_overrides(capsys, tmp_path):
 
 
 def test_config_doc_lists_public_keys(capsys):
-    main(["config", "doc"])
+    assert main(["config", "doc"]) == 0
     out = capsys.readouterr().out
     for key in ("seed", "model.name", "data.batch_size", "data.num_workers", "train.grad_accum",
                 "train.clip_grad_norm", "optim.warmup_steps", "precision", "parallel.strategy", "run.dir"):
@@ -23,8 +23,10 @@ def test_config_doc_lists_public_keys(capsys):
 
 
 def test_models_lists_parameter_counts(capsys):
-    main(["models"])
-    assert "2,474,506" in capsys.readouterr().out
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "2,474,506" in out  # simple_cnn, the workshop baseline's exact count
+    assert all(name in out for name in ("mnist_cnn", "simple_cnn", "resnet18", "gpt"))
 
 
 @pytest.mark.parametrize("argv, message", [
