@@ -25,7 +25,7 @@ from hpctrain.train import train
 from tests.dist_utils import free_port, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
-HANG_GUARD_S = 60
+HANG_GUARD_S = 300  # a hang, not a slow machine: 5x the quiet ~20 s of the slowest case, and more
 BASE = ["model.name=tests.ckpt_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=128",
         "data.batch_size=16", "data.max_val_samples=32", "train.epochs=1", "train.progress=false",
         "checkpoint.every_seconds=None", "train.threads=1"]
