@@ -1,25 +1,45 @@
 """``hpctrain bench NAME --quick``: every case runs at its reduced size and writes its JSON and
 PNG with the expected fields, and states the hardware. No timing is asserted: the figures
 of a 2-core shared machine say nothing; the structure, the exact bookkeeping and the
-behaviour do."""
+behaviour do.
+
+Where the time goes, and what keeps it short (nothing here is a product option):
+
+- A fresh Python process that imports torch and hpctrain costs 3-5 s of CPU before it trains
+  a step, and the runs themselves take well under a second at ``--quick``. So the
+  single-process runs of amp, workers and batch run in this process (:func:`in_process`:
+  the same :func:`hpctrain.bench.child.main` on the same command line). The fresh-process path
+  they skip (``command``, ``launch``, the child's ``__main__``, the rank reports read back) is
+  the one scaling's 1-rank runs take, and test_a_failed_run_names_its_cause fails a real child
+  through it.
+- scaling and strategies launch their ranks themselves, as always (torchrun, fresh
+  processes), at 2 ranks on a CPU whatever the core count (``--procs 2``); the default counts
+  they would pick are checked without runs.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
-import os
-import subprocess
+import random
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from hpctrain.bench import child, runner
+from hpctrain.bench.context import Context
 from hpctrain.bench.runner import RunStats, Steps, launch, steady
-from hpctrain.bench.scaling import plan, table_rows
-from hpctrain.bench.strategies import cases, refusal
+from hpctrain.bench.scaling import max_procs, plan, table_rows
+from hpctrain.bench.strategies import cases, refusal, world
 from hpctrain.cli import main
 from hpctrain.errors import RunError
+from hpctrain.launch.doctor import cpus
 
 pytest.importorskip("matplotlib", reason="hpctrain bench draws with matplotlib (the bench extra)")
 Image = pytest.importorskip("PIL.Image", reason="pillow checks the PNGs")
@@ -38,14 +58,15 @@ ROW_KEYS = {
 }
 
 
-def _bench(name: str, out, capsys) -> tuple[dict, str]:
-    assert main(["bench", name, "--quick", "--out", str(out)]) == 0
+def _bench(name: str, out, capsys, *options: str) -> tuple[dict, str]:
+    assert main(["bench", name, "--quick", "--out", str(out), *options]) == 0
     printed = capsys.readouterr().out
     doc = json.loads((out / f"{name}.json").read_text())
     with Image.open(out / f"{name}.png") as img:
         img.verify()
         assert img.format == "PNG" and img.size[0] > 300 and img.size[1] > 200
-    assert doc["case"] == name and doc["command"] == f"hpctrain bench {name} --quick --out {out}"
+    assert doc["case"] == name and doc["command"] == " ".join(["hpctrain", "bench", name, "--quick", "--out", str(out),
+                                                              *options])
     assert HARDWARE <= set(doc["hardware"]) and doc["hardware"]["cores"] >= 1
     assert doc["hardware"]["cpu"] in printed and doc["hardware"]["torch"] in printed  # the hardware is stated
     assert doc["rows"] and all(ROW_KEYS[name] <= set(row) for row in doc["rows"])
@@ -58,6 +79,31 @@ def _finite_positive(*values: float) -> bool:
     return all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in values)
 
 
+@pytest.fixture
+def in_process(monkeypatch) -> Iterator[list[list[str]]]:
+    """The bench's single-process runs (``python -m hpctrain.bench.child PREFIX k=v ...``) as
+    :func:`hpctrain.bench.child.main` in this process, its output in the run's log as before;
+    runs under torchrun still start their processes. What the run changes in this process
+    (threads, the random generators) is put back. Yields the command lines it ran."""
+    real, ran = runner.launch, []
+
+    def launch_here(cmd: list[str], log: Path) -> None:
+        if cmd[:3] != [sys.executable, "-m", "hpctrain.bench.child"]:
+            return real(cmd, log)
+        ran.append(cmd)
+        with open(log, "w") as fh, contextlib.redirect_stdout(fh):
+            assert child.main(cmd[3:]) == 0
+        return None
+
+    threads, rngs = torch.get_num_threads(), (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    monkeypatch.setattr(runner, "launch", launch_here)
+    yield ran
+    torch.set_num_threads(threads)
+    random.setstate(rngs[0])
+    np.random.set_state(rngs[1])
+    torch.set_rng_state(rngs[2])
+
+
 def test_baseline_same_weights_both_loops(tmp_path, capsys):
     doc, printed = _bench("baseline", tmp_path, capsys)
     assert [r["loop"] for r in doc["rows"]] == ["plain PyTorch loop", "hpctrain"]
@@ -66,22 +112,25 @@ def test_baseline_same_weights_both_loops(tmp_path, capsys):
     assert "plain PyTorch loop" in printed and "samples/s" in printed
 
 
-def test_amp_precisions(tmp_path, capsys):
+def test_amp_precisions(tmp_path, capsys, in_process):
     doc, _ = _bench("amp", tmp_path, capsys)
+    assert len(in_process) == len(doc["rows"])  # one run per precision, each in this process
     expected = ["fp32", "bf16", "fp16"] if doc["hardware"]["gpus"] else ["fp32", "bf16"]
     assert [r["precision"] for r in doc["rows"]] == expected
     assert doc["rows"][0]["speedup"] == 1.0
     assert all(_finite_positive(r["samples_per_s"], r["peak_mem_gb"], r["loss"]) for r in doc["rows"])
 
 
-def test_workers_counts(tmp_path, capsys):
+def test_workers_counts(tmp_path, capsys, in_process):
     doc, _ = _bench("workers", tmp_path, capsys)
+    assert len(in_process) == 2
     assert [r["workers"] for r in doc["rows"]] == [0, 1]
     assert all(0.0 <= r["data_wait_share"] < 1.0 for r in doc["rows"])
 
 
-def test_batch_sizes(tmp_path, capsys):
+def test_batch_sizes(tmp_path, capsys, in_process):
     doc, _ = _bench("batch", tmp_path, capsys)
+    assert len(in_process) == 2
     assert [r["batch"] for r in doc["rows"]] == doc["settings"]["batch_sizes"] == [4, 16]
     assert all(r["step_ms"] == pytest.approx(r["batch"] / r["samples_per_s"] * 1e3) for r in doc["rows"])
 
@@ -97,10 +146,12 @@ def test_checkpoint_against_dd(tmp_path, capsys):
 
 
 def test_scaling_one_and_two_ranks_hpctrain_and_plain_ddp(tmp_path, capsys):
-    doc, _ = _bench("scaling", tmp_path, capsys)
-    ranks = [r["ranks"] for r in doc["rows"]]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
-    assert ranks == list(range(1, (gpus or max(2, min(os.cpu_count() or 1, 8))) + 1))  # one rank per GPU
+    # one rank per GPU (the default); on a CPU 1 and 2 ranks, however many cores (the default
+    # there, 2..8 by the cores, is test_default_rank_counts')
+    doc, _ = _bench("scaling", tmp_path, capsys, *([] if gpus else ["--procs", "2"]))
+    ranks = [r["ranks"] for r in doc["rows"]]
+    assert ranks == list(range(1, (gpus or 2) + 1))
     first, last = doc["rows"][0], doc["rows"][-1]
     assert first["plain_efficiency"] == first["hpctrain_efficiency"] == 1.0  # each loop against itself
     assert last["hpctrain_efficiency"] == pytest.approx(last["hpctrain_samples_per_s"]
@@ -115,7 +166,7 @@ def test_strategies_break_memory_down_per_rank_as_each_strategy_divides_it(tmp_p
         assert "needs 2 or more GPUs" in capsys.readouterr().err
         assert not (tmp_path / "strategies.json").exists() and not (tmp_path / "strategies-work").exists()
         return
-    doc, printed = _bench("strategies", tmp_path, capsys)
+    doc, printed = _bench("strategies", tmp_path, capsys, "--procs", "2")  # on any number of cores or GPUs
     rows = {r["strategy"]: r for r in doc["rows"]}
     assert list(rows) == ["ddp", "fsdp-zero3", "deepspeed-2", "pp2"] and "pp2" in printed
     has_ds = importlib.util.find_spec("deepspeed") is not None
@@ -142,8 +193,8 @@ def test_strategies_break_memory_down_per_rank_as_each_strategy_divides_it(tmp_p
 
 
 def test_strategies_lists_what_hpctrain_refuses_instead_of_crashing(monkeypatch):
-    assert [c.name for c in cases(2, quick=False)] == ["ddp", "zero1", "fsdp-zero2", "fsdp-zero3", "deepspeed-1",
-                                                      "deepspeed-2", "deepspeed-3", "tp2", "pp2"]
+    assert [c.name for c in cases(2, quick=False)] == ["ddp", "zero1", "fsdp-zero2", "fsdp-zero3", "fsdp-offload",
+                                                      "deepspeed-1", "deepspeed-2", "deepspeed-3", "tp2", "pp2"]
     assert ("parallel.tp=2", "parallel.strategy=fsdp") == next(c for c in cases(4, False) if c.name == "tp2").overrides
     assert refusal(["model.name=gpt", "parallel.strategy=fsdp"], 2) is None
     refused = refusal(["model.name=gpt", "parallel.tp=3"], 2)
@@ -196,6 +247,18 @@ def test_a_failed_run_names_its_cause(tmp_path):
 def test_bad_options_exit_2_before_anything_runs(tmp_path, capsys):
     assert main(["bench", "batch", "--procs", "0", "--out", str(tmp_path / "o")]) == 2
     assert "--procs 0" in capsys.readouterr().err and not (tmp_path / "o").exists()
-    done = subprocess.run([sys.executable, "-m", "hpctrain", "bench", "nosuch"], capture_output=True, text=True,
-                          check=False)
-    assert done.returncode == 2 and "invalid choice: 'nosuch'" in done.stderr
+    with pytest.raises(SystemExit) as exit_:  # argparse's exit: status 2 (`python -m hpctrain`: test_bad_inputs.py)
+        main(["bench", "nosuch"])
+    assert exit_.value.code == 2 and "invalid choice: 'nosuch'" in capsys.readouterr().err
+
+
+def test_default_rank_counts(tmp_path):
+    """What scaling and strategies pick without --procs: one rank per GPU; on a CPU scaling
+    goes up to the cores (2..8), strategies runs on 2..4 ranks."""
+    ctx = Context(quick=True, work=tmp_path)
+    cores = cpus()  # the CPUs this process may run on
+    if torch.cuda.is_available():
+        assert max_procs(ctx) == torch.cuda.device_count()
+    else:
+        assert max_procs(ctx) == max(2, min(cores, 8)) and world(ctx) == max(2, min(cores, 4))
+    assert max_procs(Context(quick=True, work=tmp_path, procs=1)) == 1

@@ -2,6 +2,7 @@
 
 Runs ``hpctrain train`` (the same :func:`hpctrain.train.train` the CLI calls) with the
 overrides, then writes ``PREFIX.rankN.json``: this rank's peak memory and the run's summary.
+The overrides are read before torch is imported, so a bad one fails the run at once.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def peak_memory() -> tuple[float, str]:
     """(GB, kind): CUDA's peak allocated bytes on a GPU, else the process's peak RSS."""
+    import torch
+
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 1e9, "cuda_max_allocated"
     return peak_rss_bytes() / 1e9, "peak_rss"
@@ -43,9 +44,11 @@ def report(prefix: Path, rank: int, extra: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     from hpctrain.config import load_config
+
+    cfg = load_config(None, argv[1:])  # imports no torch: a bad override fails in a fraction of a second
     from hpctrain.train import train
 
-    summary = train(load_config(None, argv[1:]))
+    summary = train(cfg)
     report(Path(argv[0]), int(os.environ.get("RANK", "0")), {"summary": summary})
     return 0
 

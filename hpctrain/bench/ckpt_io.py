@@ -20,7 +20,7 @@ from torch import nn
 from hpctrain.bench.pagecache import evict
 from hpctrain.checkpoint import layout, tensorfile
 from hpctrain.checkpoint.checkpointer import Checkpointer, load_replicated
-from hpctrain.checkpoint.state import REPLICATED_TENSORS, snapshot
+from hpctrain.checkpoint.state import REPLICATED_TENSORS, RNG, snapshot
 from hpctrain.checkpoint.writer import CheckpointWriter
 from hpctrain.config import load_config, to_dict
 from hpctrain.data import TrainLoader
@@ -53,7 +53,7 @@ class Parts:
     def state(self) -> dict[str, Any]:
         """The Checkpointer's mapping of Stateful objects."""
         return {"model": WholeState(self.model, self.optimizer), "scheduler": None,
-                "scaler": Precision("fp32", CPU), "counters": self.counters, "loader": self.loader}
+                "scaler": Precision("fp32", CPU), "counters": self.counters, "loader": self.loader, "rng": RNG(CPU)}
 
 
 def build_parts(gb: float, width: int = 4096) -> Parts:

@@ -175,8 +175,8 @@ def restore(state: Mapping[str, Any], replicated: dict[str, Any], per_rank: dict
     for name, obj in state.items():
         if obj is None or name == "model":
             continue
-        if name in PER_RANK:
-            if name != "rng" or per_rank["world_size"] == env.world_size:
+        if name in PER_RANK:  # what this checkpoint holds (a hand-made snapshot may leave some out)
+            if name in per_rank and (name != "rng" or per_rank["world_size"] == env.world_size):
                 obj.load_state_dict(per_rank[name])
         elif replicated.get(name) is not None:
             obj.load_state_dict(replicated[name])
