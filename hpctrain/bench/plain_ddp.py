@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from hpctrain.bench.child import report
+from hpctrain.bench.child import finish, report
 from hpctrain.models.simple_cnn import SimpleCNN
 
 
@@ -95,4 +95,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    finish(main(sys.argv[1:]))

@@ -9,6 +9,7 @@ only the hang guard: a hang fails the test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -88,7 +89,8 @@ def _run_ranks(world: int, args: list[str], inject: tuple[str, int] | None = Non
     except subprocess.TimeoutExpired:
         outputs = []
         for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a rank that already ended: kill the others still
+                os.killpg(proc.pid, signal.SIGKILL)
             outputs.append(proc.communicate()[0].decode(errors="replace")[-2000:])
         pytest.fail("ranks hung after one failed:\n" + "\n---\n".join(outputs))
     return results
