@@ -15,6 +15,9 @@ Where the time goes, and what keeps it short (nothing here is a product option):
 - scaling and strategies launch their ranks themselves, as always (torchrun, fresh
   processes), at 2 ranks on a CPU whatever the core count (``--procs 2``); the default counts
   they would pick are checked without runs.
+- (In the product, for every user:) a bench child reads its overrides before it imports torch,
+  so a bad one fails in a fraction of a second, and a run that worked skips the interpreter's
+  ~1 s teardown of torch (:func:`hpctrain.bench.child.finish`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Runs ``hpctrain train`` (the same :func:`hpctrain.train.train` the CLI calls) with the
 overrides, then writes ``PREFIX.rankN.json``: this rank's peak memory and the run's summary.
-The overrides are read before torch is imported, so a bad one fails the run at once.
+The overrides are read before torch is imported, so a bad one fails the run at once; a run
+that worked ends without the interpreter's teardown (:func:`finish`).
 """
 
 from __future__ import annotations
