@@ -24,8 +24,7 @@ from hpctrain.data.config import BatchPlan, DataConfig, batch_plan
 from hpctrain.models.config import ModelConfig
 from hpctrain.optim_config import OptimConfig
 from hpctrain.parallel.config import ParallelConfig
-from hpctrain.section import PrecisionMode
-from hpctrain.section import ConfigError, opt, sub, to_dict
+from hpctrain.section import ConfigError, PrecisionMode, opt, sub, to_dict
 from hpctrain.telemetry.config import TelemetryConfig
 from hpctrain.train_config import RunConfig, TrainConfig
 

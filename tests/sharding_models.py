@@ -147,9 +147,9 @@ def train_toy(env, overrides: dict, steps: int = 10, layers: int = 4, lr: float 
     """``steps`` AdamW steps of the toy GPT under ``parallel.*`` = ``overrides``, each data-parallel
     rank on its slice of the same global batch. Returns the global losses, the step-0 gradients
     (whole), the final weights (whole) and this rank's parameter/gradient/optimizer bytes."""
-    import torch.distributed as dist
-
     import contextlib
+
+    import torch.distributed as dist
 
     from hpctrain.parallel import mesh_for, strategy_for
     from hpctrain.parallel.config import ParallelConfig
