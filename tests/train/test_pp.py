@@ -31,11 +31,6 @@ SHAPE = GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4, tie_weig
 
 
 @pytest.fixture(scope="module")
-def shards(shakespeare_shards: Path) -> Path:
-    return shakespeare_shards
-
-
-@pytest.fixture(scope="module")
 def one_process(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("one") / "run"
     train(load_config(None, [*BASE, *PP, f"data.path={shards}", f"run.dir={run}", "checkpoint.enabled=false",

@@ -59,11 +59,6 @@ def _same_counts(run: Path, one: Path, world: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def shards(shakespeare_shards: Path) -> Path:
-    return shakespeare_shards
-
-
-@pytest.fixture(scope="module")
 def one_process(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("one") / "run"
     train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={run}", "checkpoint.enabled=false"]))
