@@ -90,6 +90,34 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
     return [results[r] for r in range(world)]
 
 
+
+def _train_each(env: ClusterEnv, cases: list[tuple[str, list[str]]], root: str,
+                keep: tuple[str, ...] | None) -> dict[str, Any]:
+    """Each case through ``train`` in this group of ranks' process group; a case that fails is
+    reported by name (its error's last line) and the others still run."""
+    from hpctrain.config import load_config
+    from hpctrain.train import train
+
+    out: dict[str, Any] = {}
+    for name, keys in cases:
+        try:
+            summary = train(load_config(None, [*keys, f"run.dir={root}/{name}"]), env)
+        except Exception as err:  # noqa: BLE001 - reported per case by the test
+            text = str(err).strip()
+            out[name] = f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
+            continue
+        out[name] = {k: summary[k] for k in keep} if keep else summary
+    return out
+
+
+def train_cases(world: int, cases: list[tuple[str, list[str]]], root: Path, *,
+                keep: tuple[str, ...] | None = None, timeout: float = 900) -> list[dict[str, Any]]:
+    """Train every ``(name, config keys)`` case in turn on one set of ``world`` forked ranks (one
+    torch import and one process group for all; each case's run dir is ``root/name``). Returns,
+    per rank, ``{name: summary (its ``keep`` keys) or "ErrorType: last line"}``. For what only
+    tests the trainer; signals, launchers and Slurm keep their real subprocesses."""
+    return run_ranks(world, _train_each, cases, str(root), keep, timeout=timeout)
+
 # Every test runs its ranks on this one host: pin gloo to loopback, so a container whose
 # hostname does not resolve still connects. Subprocesses inherit it; the real 2-node Slurm
 # tests drop it again (tests/slurm/cluster.py base_env), as their nodes talk over veths.

@@ -1,19 +1,15 @@
 """``parallel.activation_checkpointing`` (block, selective) and ``train.compile`` composed with
-ddp, fsdp and zero1 through ``hpctrain train``, in the documented order (TP -> activation
-checkpointing -> compile -> FSDP / DDP): 3 steps of the tiny GPT at world 2 give the losses
-of one plain process within 1e-5 (1e-4 with compile: inductor's fused kernels may round
-differently), and the summary's params_sha256 is the hash of the weights in model.pt whatever
-wrappers the run used. Activation checkpointing recomputes the same ops, so alone it changes no
-bit: one process with block or selective ends with the plain run's exact weights, and so do
-zero1's two modes with each other. torch.compile on CPU is slow: one compiled case per strategy."""
+ddp, fsdp and zero1 through the trainer (one forked pair of ranks runs every case in turn), in
+the documented order (TP -> activation checkpointing -> compile -> FSDP / DDP): 3 steps of the
+tiny GPT at world 2 give the losses of one plain process within 1e-5 (1e-4 with compile:
+inductor's fused kernels may round differently), and the summary's params_sha256 is the hash
+of the weights in model.pt whatever wrappers the run used. Activation checkpointing recomputes
+the same ops, so alone it changes no bit: one process with block or selective ends with the
+plain run's exact weights, and so do zero1's two modes with each other."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +21,9 @@ from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.rundir import params_sha256
 from hpctrain.train import train
 from tests.checkpoint.test_export_stream import corpus_shards
+from tests.dist_utils import train_cases
 from tests.gpt_runs import step_losses
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL, COMPILED_TOL = 1e-5, 1e-4
 BASE = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=16",
         "data.name=shards", "data.batch_size=4", "data.global_batch_size=8", "data.max_val_samples=8",
@@ -78,11 +74,6 @@ def plain_untied(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return _plain(shards, tmp_path_factory.mktemp("plain_untied") / "run", *UNTIED)
 
 
-@pytest.fixture(scope="module")
-def zero1_hashes() -> dict[str, str]:
-    return {}
-
-
 def _model_pt_sha(run: Path, tied: bool = True) -> str:
     model = GPT(GPTShape(vocab=256, seq_len=16, n_layers=2, hidden=32, heads=4, tie_weights=tied))
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
@@ -98,25 +89,37 @@ def test_checkpointing_in_one_process_changes_no_bit(shards: Path, plain: dict[s
     assert step_losses(run) == plain["losses"] and summary["params_sha256"] == plain["sha"] == _model_pt_sha(run)
 
 
+def _case_name(name: str, mode: str, compiled: bool) -> str:
+    return f"{name}-{mode}{'-compile' if compiled else ''}"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """Every case of CASES on one forked pair of ranks, in turn (the launcher itself is tested
+    in tests/launch and tests/train/test_e2e.py)."""
+    root = tmp_path_factory.mktemp("compose")
+    cases = [(_case_name(name, m, c), [*BASE, f"data.path={shards}", *keys, f"parallel.activation_checkpointing={m}",
+                                       f"train.compile={str(c).lower()}"])
+             for name, keys, m, c in CASES if name != "deepspeed" or HAS_DEEPSPEED]
+    return root, train_cases(2, cases, root, keep=("val_loss", "params_sha256"))
+
+
 @pytest.mark.parametrize(("name", "keys", "mode", "compiled"), PARAMS)
-def test_two_ranks_compose_with_checkpointing_and_compile(shards: Path, request: pytest.FixtureRequest,
-                                                          tmp_path: Path, zero1_hashes: dict[str, str], name: str,
+def test_two_ranks_compose_with_checkpointing_and_compile(two_ranks: tuple[Path, list[dict[str, Any]]],
+                                                          request: pytest.FixtureRequest, name: str,
                                                           keys: list[str], mode: str, compiled: bool) -> None:
     tied = not set(UNTIED) <= set(keys)
     plain: dict[str, Any] = request.getfixturevalue("plain" if tied else "plain_untied")
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "hpctrain", "run", "-n", "2", "train", *BASE, f"data.path={shards}",
-           f"run.dir={run}", *keys, f"parallel.activation_checkpointing={mode}",
-           f"train.compile={str(compiled).lower()}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    root, ranks = two_ranks
+    case = _case_name(name, mode, compiled)
+    summary, run = ranks[0][case], root / case
+    assert isinstance(summary, dict), f"{case}: {summary}"
+    assert ranks[1][case] == summary  # both ranks report the same, merged numbers
     got, want, tol = step_losses(run), plain["losses"], COMPILED_TOL if compiled else TOL
     assert got.keys() == want.keys() and len(want) == 3
     assert max(abs(got[s] - want[s]) for s in want) < tol, (got, want)
-    summary = json.loads((run / "summary.json").read_text())
     assert abs(summary["val_loss"] - plain["val_loss"]) < tol
     assert summary["params_sha256"] == _model_pt_sha(run, tied)  # the wrappers' names never reach the hash
-    if name == "zero1":  # block and selective give the same bits: compared once both have run
-        zero1_hashes[mode] = summary["params_sha256"]
-        assert len(set(zero1_hashes.values())) == 1, zero1_hashes
+    if name == "zero1":  # block and selective give the same bits
+        other = ranks[0][_case_name(name, "selective" if mode == "block" else "block", False)]
+        assert other["params_sha256"] == summary["params_sha256"]

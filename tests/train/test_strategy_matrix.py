@@ -13,11 +13,9 @@ from typing import Any
 
 import pytest
 
-from hpctrain.config import load_config
-from hpctrain.env import ClusterEnv
 from hpctrain.models import REGISTRY
 from tests.data.test_text import needs_sdist
-from tests.dist_utils import run_ranks
+from tests.dist_utils import train_cases
 
 COMMON = ["train.max_steps=2", "train.progress=false", "train.threads=1", "checkpoint.every_seconds=None",
           "data.batch_size=4", "data.eval_batch_size=8", "data.max_val_samples=21", "checkpoint.enabled=false",
@@ -49,22 +47,6 @@ def test_the_matrix_covers_every_registered_model() -> None:
     assert set(REGISTRY) <= set(DATA), f"add data for the new model(s): {set(REGISTRY) - set(DATA)}"
 
 
-def _train_each(env: ClusterEnv, cases: list[tuple[str, list[str]]], root: str) -> dict[str, Any]:
-    """Each case through ``train`` in this pair of ranks' process group; a case that fails is
-    reported by name (its error's last line) and the others still run."""
-    from hpctrain.train import train
-
-    out: dict[str, Any] = {}
-    for name, keys in cases:
-        try:
-            summary = train(load_config(None, [*keys, f"run.dir={root}/{name}"]), env)
-        except Exception as err:  # noqa: BLE001 - reported per case by the test
-            out[name] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
-            continue
-        out[name] = {k: summary[k] for k in ("steps", "val_count", "val_loss", "world_size", "params_sha256")}
-    return out
-
-
 def _cases(shards: Path) -> list[tuple[str, list[str]]]:
     cases = []
     for strategy, (keys, gpt_only) in STRATEGIES.items():
@@ -83,7 +65,8 @@ def _cases(shards: Path) -> list[tuple[str, list[str]]]:
 def matrix(shakespeare_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """All cases in one spawned pair of ranks (one torch import and one process group for all)."""
     root = tmp_path_factory.mktemp("matrix")
-    return run_ranks(2, _train_each, _cases(shakespeare_shards), str(root), timeout=900)
+    return train_cases(2, _cases(shakespeare_shards), root,
+                       keep=("steps", "val_count", "val_loss", "world_size", "params_sha256"))
 
 
 @needs_sdist
