@@ -13,16 +13,18 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from hpctrain.checkpoint import layout
+from hpctrain.config import load_config
 from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.train import train
 from tests.checkpoint import test_preempt as preempt
 from tests.data.test_text import needs_sdist
+from tests.dist_utils import train_cases
 from tests.gpt_runs import check_ok
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +33,7 @@ pytestmark = [needs_sdist, pytest.mark.skipif(importlib.util.find_spec("deepspee
                                               reason="the deepspeed extra is not installed")]
 TOL = 1e-5
 STEPS = 12
+STEP4 = Path("checkpoints") / "step-000000004"
 # 16 samples a step: 4 per micro-batch, 4 micro-steps at world 1, 2 at world 2; lr: 3 warmup steps, then cosine
 BASE = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=32",
         "data.name=shards", "data.batch_size=4", "data.global_batch_size=16", "data.max_val_samples=41",
@@ -71,38 +74,49 @@ def _sha(run: Path) -> str:
     return str(json.loads((run / "summary.json").read_text())["params_sha256"])
 
 
-@pytest.fixture(scope="module")
-def one_process(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("one") / "run"
-    check_ok(_run(1, shards, run, "checkpoint.enabled=false"))  # strategy=ddp, one process: the reference
+def _train_one(shards: Path, run: Path, *extra: str) -> Path:
+    """A one-process run (strategy=ddp, no DeepSpeed) in this process: the reference."""
+    train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={run}", *extra]))
     return run
 
 
 @pytest.fixture(scope="module")
-def saved(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
-    """The uninterrupted 12-step run of a ZeRO stage at world 2, checkpointing every 4 steps (once per
-    stage); two-tier (DeepSpeed's nested files copied from the node-local tier), async asked for
-    (DeepSpeed's save runs in the loop all the same)."""
-    runs: dict[int, Path] = {}
+def one_process(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _train_one(shards, tmp_path_factory.mktemp("one") / "run", "checkpoint.enabled=false")
 
-    def get(stage: int) -> Path:
-        if stage not in runs:
-            run = tmp_path_factory.mktemp(f"zero{stage}") / "run"
-            local = run.parent / "local"
-            check_ok(_run(2, shards, run, *_ds(stage), "checkpoint.every_steps=4", "checkpoint.mode=async",
-                     f"checkpoint.local_dir={local}"))
-            runs[stage] = run
-        return runs[stage]
 
-    return get
+SGD = ["optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.05", "train.max_steps=4", "checkpoint.enabled=false"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every world-2 run of this module on one forked pair of ranks, in turn: the uninterrupted
+    12-step run of each ZeRO stage, checkpointing every 4 steps, two-tier (DeepSpeed's nested
+    files copied from the node-local tier), async asked for (DeepSpeed's save runs in the loop
+    all the same); the resumes from their step 4; SGD under ZeRO-3. Returns the root: run NAME
+    is ``root / NAME``."""
+    root = tmp_path_factory.mktemp("two")
+    data = [*BASE, f"data.path={shards}"]
+    cases = [(f"zero{stage}", [*data, *_ds(stage), "checkpoint.every_steps=4", "checkpoint.mode=async",
+                                f"checkpoint.local_dir={root}/local{stage}"]) for stage in (1, 2, 3)]
+    cases += [(f"resumed{stage}", [*data, *_ds(stage), f"resume={root / f'zero{stage}' / STEP4}"])
+              for stage in (2, 3)]
+    cases.append(("sgd", [*data, *_ds(3), *SGD]))
+    ranks = train_cases(2, cases, root, keep=("steps",))
+    failed = {name: got for name, got in ranks[0].items() if not isinstance(got, dict)}
+    assert not failed, failed
+    return root
+
+
+def saved(root: Path, stage: int) -> Path:
+    return root / f"zero{stage}"
 
 
 @pytest.mark.parametrize("stage", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
-def test_lr_schedule_and_losses_match_one_process(one_process: Path, saved: Callable[[int], Path],
-                                                  stage: int) -> None:
+def test_lr_schedule_and_losses_match_one_process(one_process: Path, two_ranks: Path, stage: int) -> None:
     """The engine steps hpctrain's scheduler once per accumulation window (2 micro-steps here):
     the logged lr equals the one-process DDP run's at every step, and so do the losses (1e-5)."""
-    want, got = _rows(one_process), _rows(saved(stage))
+    want, got = _rows(one_process), _rows(saved(two_ranks, stage))
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     lrs = [want[s]["lr"] for s in range(1, STEPS + 1)]
     assert lrs[0] < lrs[2] == pytest.approx(0.01) and lrs[-1] < lrs[3]  # warmup, then the cosine decay
@@ -112,45 +126,36 @@ def test_lr_schedule_and_losses_match_one_process(one_process: Path, saved: Call
     assert want[STEPS]["loss"] < want[1]["loss"] - 1.0
 
 
-def test_sgd_under_zero3_matches_one_process(shards: Path, tmp_path: Path) -> None:
+def test_sgd_under_zero3_matches_one_process(shards: Path, two_ranks: Path, tmp_path: Path) -> None:
     """hpctrain hands its own torch optimizer to ZeRO; SGD with momentum (the default optimizer,
     which DeepSpeed calls untested) under ZeRO-3 gives the one-process losses."""
-    sgd = ["optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.05", "train.max_steps=4", "checkpoint.enabled=false"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    check_ok(_run(1, shards, one, *sgd))
-    check_ok(_run(2, shards, two, *_ds(3), *sgd))
-    want, got = _rows(one), _rows(two)
+    want, got = _rows(_train_one(shards, tmp_path / "one", *SGD)), _rows(two_ranks / "sgd")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     assert max(abs(got[s]["loss"] - want[s]["loss"]) for s in want) < TOL
 
 
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_checkpoint_resumes_to_the_uninterrupted_run(shards: Path, saved: Callable[[int], Path], tmp_path: Path,
-                                                     stage: int) -> None:
+def test_checkpoint_resumes_to_the_uninterrupted_run(two_ranks: Path, stage: int) -> None:
     """Stopped at step 4 (its committed checkpoint) and resumed to 12 == the uninterrupted 12 steps:
     the same losses and the same final weights (params_sha256)."""
-    reference = saved(stage)
-    ckpt = reference / "checkpoints" / layout.step_name(4)
-    manifest = layout.read_manifest(ckpt)
+    reference = saved(two_ranks, stage)
+    manifest = layout.read_manifest(reference / STEP4)
     assert manifest["format"] == "deepspeed" and manifest["world_size"] == 2
     names = set(manifest["files"])  # every rank's ZeRO partition is in the manifest, with size and sha256
     assert {f"deepspeed/state/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= names
     assert {"rank-00000.pt", "rank-00001.pt", "replicated.pt"} <= names  # hpctrain's RNG, loader, counters
-    run = tmp_path / "resumed"
-    proc = _run(2, shards, run, *_ds(stage), f"resume={ckpt}")
-    check_ok(proc)
-    assert f"resumed from {ckpt}" in proc.stderr
+    run = two_ranks / f"resumed{stage}"
     want, got = _rows(reference), _rows(run)
-    assert sorted(got) == list(range(5, STEPS + 1))
+    assert sorted(got) == list(range(5, STEPS + 1))  # it went on from step 4
     assert max(abs(got[s]["loss"] - want[s]["loss"]) for s in got) < TOL
     assert [got[s]["lr"] for s in got] == [want[s]["lr"] for s in got]
     assert _sha(run) == _sha(reference)
 
 
-def test_verify_and_consolidate_a_deepspeed_checkpoint(saved: Callable[[int], Path], tmp_path: Path) -> None:
+def test_verify_and_consolidate_a_deepspeed_checkpoint(two_ranks: Path, tmp_path: Path) -> None:
     """`hpctrain ckpt verify` checks DeepSpeed's files too; zero_to_fp32 (consolidated_state) merges
     the ZeRO-2 partitions into the final model.pt's weights."""
-    run = saved(2)
+    run = saved(two_ranks, 2)
     verify = subprocess.run([sys.executable, "-m", "hpctrain", "ckpt", "verify", str(run)], capture_output=True,
                             text=True, env=_env(), cwd=ROOT, timeout=120)
     assert verify.returncode == 0 and verify.stdout.count(": ok") == 3, verify.stdout + verify.stderr
@@ -175,11 +180,10 @@ def test_verify_and_consolidate_a_deepspeed_checkpoint(saved: Callable[[int], Pa
     assert verify.returncode == 1 and "zero_pp_rank_1_mp_rank_00_optim_states.pt: checksum" in verify.stdout
 
 
-def test_other_world_size_or_strategy_fails_before_training(shards: Path, saved: Callable[[int], Path],
-                                                            tmp_path: Path) -> None:
+def test_other_world_size_or_strategy_fails_before_training(shards: Path, two_ranks: Path, tmp_path: Path) -> None:
     """A ZeRO checkpoint of world 2 resumed at world 1, or under strategy=ddp: exit 2 naming the
     checkpoint, both world sizes (or the format) and a hint; nothing is left in the run dir."""
-    ckpt = saved(2) / "checkpoints" / layout.step_name(4)
+    ckpt = saved(two_ranks, 2) / STEP4
     proc = _run(1, shards, tmp_path / "one", *_ds(2), f"resume={ckpt}")
     assert proc.returncode == 2, proc.stderr[-4000:]
     line = proc.stderr.strip().splitlines()[-1]
@@ -191,8 +195,7 @@ def test_other_world_size_or_strategy_fails_before_training(shards: Path, saved:
     assert not (tmp_path / "one").exists() and not (tmp_path / "ddp").exists()
 
 
-def test_sigterm_saves_exits_3_and_the_same_command_completes(shards: Path, saved: Callable[[int], Path],
-                                                              tmp_path: Path) -> None:
+def test_sigterm_saves_exits_3_and_the_same_command_completes(shards: Path, two_ranks: Path, tmp_path: Path) -> None:
     """SIGTERM to the launcher mid-run: the ranks agree, DeepSpeed's state is committed, exit 3;
     the same command resumes from it (resume=auto) to the uninterrupted run's weights."""
     run = tmp_path / "run"
@@ -209,4 +212,4 @@ def test_sigterm_saves_exits_3_and_the_same_command_completes(shards: Path, save
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     check_ok(again)
     assert f"resumed from {run / 'checkpoints' / layout.step_name(steps[0])}" in again.stderr
-    assert _sha(run) == _sha(saved(2))
+    assert _sha(run) == _sha(saved(two_ranks, 2))
