@@ -1,4 +1,5 @@
-"""Strategies through `hpctrain train` (gloo, CPU): FSDP (ZeRO-3 and ZeRO-2), ZeRO-1,
+"""Strategies through the trainer (gloo, CPU; the world-2 runs on one forked pair of ranks):
+FSDP (ZeRO-3 and ZeRO-2), ZeRO-1,
 DeepSpeed ZeRO 1-3 and a 2-stage pipeline at world 2 train the tiny GPT to the same losses
 as one process (with gradient accumulation and clipping); an FSDP checkpoint (DCP) saved at
 world 2 resumes at world 1 and 4 with the data position kept and the same next-step losses,
@@ -6,6 +7,7 @@ and bit-identically after a SIGKILL; a ZeRO-1 checkpoint resumes bit-identically
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -27,6 +29,7 @@ from hpctrain.rundir import params_sha256
 from hpctrain.train import train
 from tests.checkpoint import test_preempt as preempt
 from tests.data.test_text import needs_sdist
+from tests.dist_utils import train_cases
 from tests.gpt_runs import assert_close, check_ok, step_losses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,14 +58,46 @@ def _run(n: int, shards: Path, run: Path, *extra: str) -> subprocess.CompletedPr
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
 
 
-@pytest.mark.parametrize("extra", [["parallel.strategy=fsdp", "checkpoint.enabled=false"],
-                                   ["parallel.strategy=fsdp", "parallel.reshard_after_forward=false",
-                                    "checkpoint.enabled=false"],
-                                   ["parallel.strategy=zero1", "checkpoint.enabled=false"]],
-                         ids=["fsdp-zero3", "fsdp-zero2", "zero1"])
-def test_two_ranks_match_one_process(shards: Path, one_process: Path, tmp_path: Path, extra: list[str]) -> None:
-    run = tmp_path / "run"
-    check_ok(_run(2, shards, run, *extra))
+NO_CKPT = "checkpoint.enabled=false"
+UNTIED = "model.tie_weights=false"
+LONGER = ["parallel.strategy=fsdp", "train.max_steps=24"]
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+STEP5 = Path("checkpoints") / "step-000000005"
+
+
+def _world2_cases(root: Path) -> list[tuple[str, list[str]]]:
+    """(name, keys) of every world-2 run of this module, in the order they run (a resume after
+    the run it resumes from)."""
+    cases = [("fsdp-zero3", ["parallel.strategy=fsdp", NO_CKPT]),
+             ("fsdp-zero2", ["parallel.strategy=fsdp", "parallel.reshard_after_forward=false", NO_CKPT]),
+             ("zero1", ["parallel.strategy=zero1", NO_CKPT]),
+             ("fsdp-saved", ["parallel.strategy=fsdp", "checkpoint.every_steps=5"]),
+             ("zero1-saved", ["parallel.strategy=zero1", "checkpoint.every_steps=5"]),
+             ("zero1-at2", ["parallel.strategy=zero1", f"resume={root / 'zero1-saved' / STEP5}"]),
+             ("fsdp-24", [*LONGER, NO_CKPT]),
+             ("pp", [UNTIED, NO_CKPT, "parallel.pp=2", "parallel.microbatches=2"])]
+    if HAS_DEEPSPEED:
+        cases += [(f"deepspeed{stage}", ["parallel.strategy=deepspeed", f"parallel.deepspeed_stage={stage}", NO_CKPT])
+                  for stage in (1, 2, 3)]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def two_ranks(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every world-2 run of this module on one forked pair of ranks, in turn (the launcher is
+    tested where it matters: the SIGKILL below, tests/launch, tests/train/test_e2e.py). Run NAME
+    is ``root / NAME``."""
+    root = tmp_path_factory.mktemp("two")
+    cases = [(name, [*BASE, f"data.path={shards}", *keys]) for name, keys in _world2_cases(root)]
+    ranks = train_cases(2, cases, root, keep=("steps",))
+    failed = {name: got for name, got in ranks[0].items() if not isinstance(got, dict)}
+    assert not failed, failed
+    return root
+
+
+@pytest.mark.parametrize("name", ["fsdp-zero3", "fsdp-zero2", "zero1"])
+def test_two_ranks_match_one_process(one_process: Path, two_ranks: Path, name: str) -> None:
+    run = two_ranks / name
     want = step_losses(one_process)
     assert len(want) == 10 and want[10] < want[1] - 1.0
     assert_close(step_losses(run), want)
@@ -71,10 +106,9 @@ def test_two_ranks_match_one_process(shards: Path, one_process: Path, tmp_path: 
     assert abs(two["val_loss"] - one["val_loss"]) < TOL
 
 
-def test_fsdp_checkpoint_resumes_at_world_1_and_4(shards: Path, tmp_path: Path) -> None:
-    saved = tmp_path / "saved"
-    check_ok(_run(2, shards, saved, "parallel.strategy=fsdp", "checkpoint.every_steps=5"))
-    ckpt = saved / "checkpoints" / "step-000000005"
+def test_fsdp_checkpoint_resumes_at_world_1_and_4(shards: Path, two_ranks: Path, tmp_path: Path) -> None:
+    saved = two_ranks / "fsdp-saved"
+    ckpt = saved / STEP5
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["format"] == "dcp" and manifest["world_size"] == 2  # forced for a sharded strategy
     # model.pt is one consolidated file that a plain GPT loads; its hash is the summary's
@@ -87,19 +121,19 @@ def test_fsdp_checkpoint_resumes_at_world_1_and_4(shards: Path, tmp_path: Path) 
     at1 = tmp_path / "at1"
     train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={at1}", *resume]))
     at4 = tmp_path / "at4"
-    check_ok(_run(4, shards, at4, *resume))
+    got = train_cases(4, [("at4", [*BASE, f"data.path={shards}", *resume])], tmp_path)[0]["at4"]
+    assert isinstance(got, dict), got
     for run in (at1, at4):
         assert_close(step_losses(run), want)  # the same batches (the data position kept) and the same weights
 
 
-def test_fsdp_sigkill_then_restart_is_bit_identical(shards: Path, tmp_path: Path) -> None:
+def test_fsdp_sigkill_then_restart_is_bit_identical(shards: Path, two_ranks: Path, tmp_path: Path) -> None:
     """SIGKILL to both FSDP ranks and the launcher mid-run (a DCP save may be in flight), then
     the same command: it resumes from the last committed checkpoint to the uninterrupted weights.
     Async saves: the writer stages each rank's DTensor shards (parameters while the next
     forward runs) and must capture the step's state exactly."""
-    longer = ["parallel.strategy=fsdp", "train.max_steps=24"]
-    reference = tmp_path / "ref"
-    check_ok(_run(2, shards, reference, *longer, "checkpoint.enabled=false"))
+    longer = LONGER
+    reference = two_ranks / "fsdp-24"
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpctrain", "run", "-n", "2", "train", *BASE, f"data.path={shards}",
            f"run.dir={run_dir}", *longer, "checkpoint.every_steps=3", "checkpoint.mode=async"]
@@ -119,16 +153,14 @@ def test_fsdp_sigkill_then_restart_is_bit_identical(shards: Path, tmp_path: Path
     assert summaries[1]["params_sha256"] == summaries[0]["params_sha256"], (kill_at, saved)
 
 
-def test_zero1_checkpoint_resumes_at_world_2_and_1(shards: Path, tmp_path: Path) -> None:
+def test_zero1_checkpoint_resumes_at_world_2_and_1(shards: Path, two_ranks: Path, tmp_path: Path) -> None:
     """ZeRO-1 at world 2 checkpoints the optimizer state consolidated on rank 0 (format=torch);
     a resume at world 2 (re-split) continues bit-identically, one at world 1 (whole) within 1e-6."""
-    saved = tmp_path / "saved"
-    check_ok(_run(2, shards, saved, "parallel.strategy=zero1", "checkpoint.every_steps=5"))
-    ckpt = saved / "checkpoints" / "step-000000005"
+    saved = two_ranks / "zero1-saved"
+    ckpt = saved / STEP5
     assert json.loads((ckpt / "manifest.json").read_text())["format"] == "torch"
     want = {s: v for s, v in step_losses(saved).items() if s > 5}
-    at2 = tmp_path / "at2"
-    check_ok(_run(2, shards, at2, "parallel.strategy=zero1", f"resume={ckpt}"))
+    at2 = two_ranks / "zero1-at2"
     assert step_losses(at2) == want
     summaries = [json.loads((r / "summary.json").read_text()) for r in (saved, at2)]
     assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
@@ -139,14 +171,13 @@ def test_zero1_checkpoint_resumes_at_world_2_and_1(shards: Path, tmp_path: Path)
 
 
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
-def test_deepspeed_matches_one_process(shards: Path, one_process: Path, tmp_path: Path, stage: int) -> None:
+def test_deepspeed_matches_one_process(one_process: Path, two_ranks: Path, stage: int) -> None:
     """strategy=deepspeed through the loop's step function: DeepSpeed (ZeRO stage 1-3, CPU + gloo)
     accumulates 2 micro-steps, clips and steps; losses and the exact validation match one process,
     and model.pt (ZeRO-3: gathered by DeepSpeed) is the whole model."""
-    pytest.importorskip("deepspeed")
-    run = tmp_path / "ds"
-    check_ok(_run(2, shards, run, "parallel.strategy=deepspeed", f"parallel.deepspeed_stage={stage}",
-             "checkpoint.enabled=false"))
+    if not HAS_DEEPSPEED:
+        pytest.skip("the deepspeed extra is not installed")
+    run = two_ranks / f"deepspeed{stage}"
     model = GPT(GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4))
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
     assert params_sha256(model) == json.loads((run / "summary.json").read_text())["params_sha256"]
@@ -157,15 +188,13 @@ def test_deepspeed_matches_one_process(shards: Path, one_process: Path, tmp_path
     assert two["samples_seen"] == one["samples_seen"] == 160
 
 
-def test_pipeline_two_stages_match_one_process(shards: Path, tmp_path: Path) -> None:
+def test_pipeline_two_stages_match_one_process(shards: Path, two_ranks: Path, tmp_path: Path) -> None:
     """pp=2 through the loop's step function (1F1B, 2 micro-batches of each of the 4 micro-steps
     per optimizer step, global clipping over both stages) trains as one process does; model.pt
     holds the whole model, gathered from the stages."""
-    untied = ["model.tie_weights=false", "checkpoint.enabled=false"]
     one = tmp_path / "one"
-    train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={one}", *untied]))
-    run = tmp_path / "pp"
-    check_ok(_run(2, shards, run, *untied, "parallel.pp=2", "parallel.microbatches=2"))
+    train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={one}", UNTIED, NO_CKPT]))
+    run = two_ranks / "pp"
     want = step_losses(one)
     assert len(want) == 10 and want[10] < want[1] - 1.0
     assert_close(step_losses(run), want)
