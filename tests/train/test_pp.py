@@ -1,4 +1,4 @@
-"""Pipeline parallelism through `hpctrain train` (gloo, CPU, the tiny untied GPT): pp2 x dp2
+"""Pipeline parallelism through the trainer (gloo, CPU, the tiny untied GPT; forked ranks): pp2 x dp2
 (FSDP per stage over dp) trains as one process does; validation through the stages counts
 every sample once and gives one process's val_loss; DCP checkpoints under the whole model's
 names resume bit-identically at pp2, at pp2 x dp2 and in one process."""
@@ -18,10 +18,10 @@ from hpctrain.parallel.plan import make_plan
 from hpctrain.rundir import params_sha256
 from hpctrain.train import train
 from tests.data.test_text import needs_sdist
-from tests.dist_utils import run_ranks
-from tests.gpt_runs import assert_close, check_ok, read_summary, step_losses
+from tests.dist_utils import run_ranks, train_cases
+from tests.gpt_runs import assert_close, read_summary, step_losses
 from tests.sharding_models import MODELS, lm_loss, token_batches
-from tests.train.test_sharded import BASE, _run
+from tests.train.test_sharded import BASE
 
 pytestmark = needs_sdist
 TOL = 1e-5
@@ -38,19 +38,60 @@ def one_process(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+COMMON = [*PP, "parallel.pp=2", "checkpoint.every_steps=2", "train.max_steps=4"]
+STEP2 = Path("checkpoints") / "step-000000002"
+PPTP = [*PP, "parallel.pp=2", "parallel.tp=2", "train.max_steps=4"]
+FP16 = [*PP, "precision=fp16", "checkpoint.enabled=false", "train.max_steps=4"]
+
+
+def _cases(shards: Path, cases: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    return [(name, [*BASE, f"data.path={shards}", *keys]) for name, keys in cases]
+
+
+def _all_ok(ranks: list[dict]) -> None:
+    failed = {name: got for name, got in ranks[0].items() if not isinstance(got, dict)}
+    assert not failed, failed
+
+
+@pytest.fixture(scope="module")
+def two_ranks(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The world-2 runs on one forked pair of ranks, in turn; run NAME is ``root / NAME``."""
+    root = tmp_path_factory.mktemp("pp2")
+    _all_ok(train_cases(2, _cases(shards, [
+        ("interleaved", [*PP, "model.n_layers=4", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                         "checkpoint.enabled=false", "train.max_steps=4", "train.eval_every_steps=2",
+                         "data.eval_batch_size=3"]),
+        ("whole", COMMON),
+        ("rest", [*COMMON, f"resume={root / 'whole' / STEP2}"]),
+        ("fp16", [*FP16, "parallel.pp=2"])]), root, keep=("steps",)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def four_ranks(shards: Path, two_ranks: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The world-4 runs on one forked set of 4 ranks, in turn."""
+    root = tmp_path_factory.mktemp("pp4")
+    _all_ok(train_cases(4, _cases(shards, [
+        ("pp2dp2", [*PP, "parallel.pp=2", "parallel.strategy=fsdp", "checkpoint.enabled=false",
+                    "train.max_steps=4", "train.eval_every_steps=2"]),
+        ("pp2tp2", [*PPTP, "checkpoint.every_steps=2"]),
+        ("pp2tp2-resumed", [*PPTP, f"resume={root / 'pp2tp2' / STEP2}"]),
+        ("at4", [*COMMON, "parallel.strategy=fsdp", f"resume={two_ranks / 'whole' / STEP2}"])]), root,
+        keep=("steps",)))
+    return root
+
+
 def _val_rows(run: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [row for row in rows if "val_loss" in row]
 
 
-def test_pp2_x_dp2_matches_one_process(shards: Path, one_process: Path, tmp_path: Path) -> None:
+def test_pp2_x_dp2_matches_one_process(one_process: Path, four_ranks: Path) -> None:
     """World 4 = pp2 x dp2 (FSDP per stage over dp, 1F1B): the dp replicas read different halves
     of the global batch; the logged loss is the global batch's; validation every 2 steps (41
     samples, 21 + 20 on the two replicas, padded to the micro-batches) counts each sample once
     and is logged once (by rank 0, the first stage); model.pt is the whole model."""
-    run = tmp_path / "pp2dp2"
-    check_ok(_run(4, shards, run, *PP, "parallel.pp=2", "parallel.strategy=fsdp", "checkpoint.enabled=false",
-             "train.max_steps=4", "train.eval_every_steps=2"))
+    run = four_ranks / "pp2dp2"
     want = step_losses(one_process)
     assert len(want) == 4 and want[4] < want[1]
     assert_close(step_losses(run), want)
@@ -65,15 +106,14 @@ def test_pp2_x_dp2_matches_one_process(shards: Path, one_process: Path, tmp_path
     assert params_sha256(model) == four["params_sha256"]
 
 
-def test_pp2_x_tp2_matches_one_process(shards: Path, one_process: Path, tmp_path: Path) -> None:
+def test_pp2_x_tp2_matches_one_process(one_process: Path, four_ranks: Path) -> None:
     """World 4 = pp2 x tp2: tensor parallel inside each stage; both tp ranks of a stage read the
     same batches, validation counts the last stage's outputs once (not tp times), model.pt is
     gathered from the DTensor shards of every stage, and a checkpoint resumes bit for bit."""
-    run, pptp = tmp_path / "pp2tp2", [*PP, "parallel.pp=2", "parallel.tp=2", "train.max_steps=4"]
-    check_ok(_run(4, shards, run, *pptp, "checkpoint.every_steps=2"))
+    run = four_ranks / "pp2tp2"
     assert_close(step_losses(run), step_losses(one_process))
-    resumed = tmp_path / "resumed"  # DCP with DTensor shards under the whole model's names: bit for bit
-    check_ok(_run(4, shards, resumed, *pptp, f"resume={run / 'checkpoints' / 'step-000000002'}"))
+    resumed = four_ranks / "pp2tp2-resumed"  # DCP with DTensor shards under the whole model's names: bit for bit
+    assert sorted(step_losses(resumed)) == [3, 4]
     assert read_summary(resumed)["params_sha256"] == read_summary(run)["params_sha256"]
     one, four = read_summary(one_process), read_summary(run)
     assert four["samples_seen"] == one["samples_seen"] == 64
@@ -87,36 +127,28 @@ def test_pp2_x_tp2_matches_one_process(shards: Path, one_process: Path, tmp_path
         assert (model.state_dict()[name] - value).abs().max() < 1e-4, name  # summation order only
 
 
-def test_pp2_interleaved_validation_counts_every_sample_once(shards: Path, tmp_path: Path) -> None:
+def test_pp2_interleaved_validation_counts_every_sample_once(two_ranks: Path) -> None:
     """Interleaved 1F1B (two stages per rank, 4 blocks): validation every 2 steps through the
     stages, eval batches of 3 padded to the 2 micro-batches, counts all 41 samples once."""
-    run = tmp_path / "interleaved"
-    check_ok(_run(2, shards, run, *PP, "model.n_layers=4", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
-             "checkpoint.enabled=false", "train.max_steps=4", "train.eval_every_steps=2", "data.eval_batch_size=3"))
+    run = two_ranks / "interleaved"
     rows = _val_rows(run)
     assert [row["step"] for row in rows] == [2, 4] and all(row["val_count"] == 41 for row in rows)
     assert read_summary(run)["val_loss"] == rows[-1]["val_loss"] < rows[0]["val_loss"]
 
 
-def test_pp2_checkpoint_resumes_bitwise_at_dp2_and_in_one_process(shards: Path, tmp_path: Path) -> None:
+def test_pp2_checkpoint_resumes_bitwise_at_dp2_and_in_one_process(shards: Path, two_ranks: Path, four_ranks: Path,
+                                                                   tmp_path: Path) -> None:
     """pp2 checkpoints every 2 steps (DCP, whole-model names): the step-2 checkpoint resumed at
     pp2 to step 4 ends with the uninterrupted run's losses and weights bit for bit; resumed at
     pp2 x dp2 (world 4, FSDP stages) and by one process it gives the same next losses (1e-5)."""
-    common = [*PP, "parallel.pp=2", "checkpoint.every_steps=2"]
-    whole = tmp_path / "whole"
-    check_ok(_run(2, shards, whole, *common, "train.max_steps=4"))
-    ckpt = whole / "checkpoints" / "step-000000002"
+    whole = two_ranks / "whole"
+    ckpt = whole / STEP2
     assert json.loads((ckpt / "manifest.json").read_text())["format"] == "dcp"
-    rest = tmp_path / "rest"
-    again = _run(2, shards, rest, *common, f"resume={ckpt}", "train.max_steps=4")
-    check_ok(again)
-    assert f"resumed from {ckpt}" in again.stderr + again.stdout
+    rest = two_ranks / "rest"
     assert read_summary(rest)["params_sha256"] == read_summary(whole)["params_sha256"]
     assert step_losses(rest) == {s: v for s, v in step_losses(whole).items() if s > 2}
     want = {s: v for s, v in step_losses(whole).items() if s > 2}
-    at4 = tmp_path / "at4"
-    check_ok(_run(4, shards, at4, *common, "parallel.strategy=fsdp", f"resume={ckpt}", "train.max_steps=4"))
-    assert_close(step_losses(at4), want)
+    assert_close(step_losses(four_ranks / "at4"), want)
     one = tmp_path / "one"
     train(load_config(None, [*BASE, *PP, f"data.path={shards}", f"run.dir={one}", f"resume={ckpt}",
                              "train.max_steps=4", "checkpoint.every_steps=2"]))
@@ -139,14 +171,12 @@ def test_pipeline_limits_fail_before_start() -> None:
         make_plan(load_config(None, [*BASE, "parallel.pp=2", "parallel.strategy=fsdp"]), four)
 
 
-def test_pp2_fp16_matches_one_process_fp16(shards: Path, tmp_path: Path) -> None:
+def test_pp2_fp16_matches_one_process_fp16(shards: Path, two_ranks: Path, tmp_path: Path) -> None:
     """precision=fp16 under pp2: the last stage scales the loss inside the schedule, every
     stage unscales its gradients; the losses follow one process's fp16 run (fp16 rounding)."""
-    fp16 = [*PP, "precision=fp16", "checkpoint.enabled=false", "train.max_steps=4"]
     one = tmp_path / "one"
-    train(load_config(None, [*BASE, *fp16, f"data.path={shards}", f"run.dir={one}"]))
-    run = tmp_path / "pp"
-    check_ok(_run(2, shards, run, *fp16, "parallel.pp=2"))
+    train(load_config(None, [*BASE, *FP16, f"data.path={shards}", f"run.dir={one}"]))
+    run = two_ranks / "fp16"
     got, want = step_losses(run), step_losses(one)
     assert got.keys() == want.keys() and max(abs(got[s] - want[s]) for s in want) < 2e-4
     assert abs(read_summary(run)["val_loss"] - read_summary(one)["val_loss"]) < 2e-4
