@@ -1,4 +1,4 @@
-"""Tensor parallelism through `hpctrain train` (gloo, CPU): tp2 (with and without sequence
+"""Tensor parallelism through the trainer (gloo, CPU, forked ranks): tp2 (with and without sequence
 parallel) and dp2 x tp2 (FSDP over dp) train the tiny GPT to the same losses as one process,
 count every validation sample and every training sample once, and a tp2 checkpoint (DCP)
 resumes at dp2 x tp2 with the data position kept. A model without transformer blocks fails
@@ -25,8 +25,8 @@ from hpctrain.parallel.mesh import dp_group
 from hpctrain.parallel.plan import make_plan, plan_for
 from hpctrain.train import train
 from tests.data.test_text import needs_sdist
-from tests.dist_utils import ROOT, launch_env, run_ranks
-from tests.gpt_runs import assert_close, check_ok, read_summary, step_losses
+from tests.dist_utils import ROOT, launch_env, run_ranks, train_cases
+from tests.gpt_runs import assert_close, read_summary, step_losses
 from tests.user_models import tiny_mlp
 
 TOL = 1e-5
@@ -38,12 +38,6 @@ BASE = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4"
         "data.eval_batch_size=4", f"train.max_steps={STEPS}", "train.log_every=1", "train.progress=false",
         "train.threads=1", "train.clip_grad_norm=0.5", "optim.name=adamw", "optim.lr=0.01",
         "optim.schedule=constant", "checkpoint.every_seconds=None"]
-
-
-def _run(n: int, shards: Path, run: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "hpctrain", "run", "-n", str(n), "train", *BASE, f"data.path={shards}",
-           f"run.dir={run}", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=launch_env(), cwd=ROOT)
 
 
 def _same_counts(run: Path, one: Path, world: int) -> None:
@@ -65,12 +59,42 @@ def one_process(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+SP_META_AC = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.strategy=fsdp", "parallel.meta_init=true",
+              "parallel.activation_checkpointing=block"]
+STEP3 = Path("checkpoints") / "step-000000003"
+
+
+def _trained(world: int, shards: Path, root: Path, cases: list[tuple[str, list[str]]]) -> Path:
+    ranks = train_cases(world, [(name, [*BASE, f"data.path={shards}", *keys]) for name, keys in cases], root,
+                        keep=("steps",))
+    failed = {name: got for name, got in ranks[0].items() if not isinstance(got, dict)}
+    assert not failed, failed
+    return root
+
+
 @pytest.fixture(scope="module")
-def tp2(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tp2 at world 2 (one replica), checkpointing at step 3 (DCP: tensor-parallel state is sharded)."""
-    run = tmp_path_factory.mktemp("tp2") / "run"
-    check_ok(_run(2, shards, run, "parallel.tp=2", "checkpoint.every_steps=3"))
-    return run
+def two_ranks(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """On one forked pair of ranks: tp2 at world 2 (one replica), checkpointing at step 3 (DCP:
+    tensor-parallel state is sharded); tp2 with sequence parallel, built on meta (tied embedding
+    and head shared again after to_empty: no FSDP at dp=1 keeps them tied) and block activation
+    checkpointing."""
+    return _trained(2, shards, tmp_path_factory.mktemp("tp2"), [
+        ("tp2", ["parallel.tp=2", "checkpoint.every_steps=3"]),
+        ("sp-meta-ac-tp2", [*SP_META_AC, "checkpoint.enabled=false"])])
+
+
+@pytest.fixture(scope="module")
+def four_ranks(shards: Path, two_ranks: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """On one forked set of 4 ranks: FSDP over dp2 x tp2 (the same global batch), and the tp2
+    checkpoint resumed there."""
+    return _trained(4, shards, tmp_path_factory.mktemp("tp4"), [
+        ("dp2xtp2", ["parallel.tp=2", "parallel.strategy=fsdp", "checkpoint.enabled=false"]),
+        ("at4", ["parallel.tp=2", "parallel.strategy=fsdp", f"resume={two_ranks / 'tp2' / STEP3}"])])
+
+
+@pytest.fixture(scope="module")
+def tp2(two_ranks: Path) -> Path:
+    return two_ranks / "tp2"
 
 
 def _data_env(cfg, env):  # type: ignore[no-untyped-def]
@@ -103,31 +127,20 @@ def test_tp2_matches_one_process(tp2: Path, one_process: Path) -> None:
 
 
 @needs_sdist
-@pytest.mark.parametrize(("world", "extra"), [
-    # tp2 (world 2) with sequence parallel, built on meta (tied embedding and head shared again
-    # after to_empty: no FSDP at dp=1 keeps them tied) and block activation checkpointing
-    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.strategy=fsdp", "parallel.meta_init=true",
-         "parallel.activation_checkpointing=block"]),
-    (4, ["parallel.tp=2", "parallel.strategy=fsdp"]),  # FSDP over dp2 x tp2, the same global batch
-], ids=["sp-meta-ac-tp2", "dp2xtp2"])
-def test_tensor_parallel_variants_match_one_process(shards: Path, one_process: Path, tmp_path: Path, world: int,
-                                                   extra: list[str]) -> None:
-    run = tmp_path / "run"
-    check_ok(_run(world, shards, run, *extra, "checkpoint.enabled=false"))
+@pytest.mark.parametrize(("world", "name"), [(2, "sp-meta-ac-tp2"), (4, "dp2xtp2")], ids=["sp-meta-ac-tp2", "dp2xtp2"])
+def test_tensor_parallel_variants_match_one_process(one_process: Path, request: pytest.FixtureRequest, world: int,
+                                                   name: str) -> None:
+    run = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks") / name
     assert_close(step_losses(run), step_losses(one_process))
     _same_counts(run, one_process, world=world)
 
 
 @needs_sdist
-def test_tp2_checkpoint_resumes_at_dp2_x_tp2(shards: Path, tp2: Path, tmp_path: Path) -> None:
+def test_tp2_checkpoint_resumes_at_dp2_x_tp2(tp2: Path, four_ranks: Path) -> None:
     """Saved at world 2 (tp2), resumed at world 4 (FSDP over dp2 x tp2): the loader's global
     position carries over (each replica takes its half of the next batches) and the next steps'
     losses are the uninterrupted tp2 run's."""
-    ckpt = tp2 / "checkpoints" / "step-000000003"
-    run = tmp_path / "at4"
-    proc = _run(4, shards, run, "parallel.tp=2", "parallel.strategy=fsdp", f"resume={ckpt}")
-    check_ok(proc)
-    assert f"resumed from {ckpt}" in proc.stderr + proc.stdout
+    run = four_ranks / "at4"
     want = {s: v for s, v in step_losses(tp2).items() if s > 3}
     assert_close(step_losses(run), want)  # the same batches (the data position kept) and the same weights
     assert read_summary(run)["samples_seen"] == read_summary(tp2)["samples_seen"] == 16 * STEPS
