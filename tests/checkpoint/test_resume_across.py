@@ -6,9 +6,6 @@ losses (1e-5), lr and data position (the same batches, the same sample count).""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +14,8 @@ from hpctrain.checkpoint import layout
 from hpctrain.config import load_config
 from hpctrain.train import train
 from tests.data.test_text import needs_sdist
+from tests.dist_utils import train_cases
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = needs_sdist
 TOL = 1e-5
 # 16 samples a step: 4 per micro-batch, 4 micro-steps at world 1, 2 at world 2
@@ -32,14 +29,6 @@ BASE = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4"
 @pytest.fixture(scope="module")
 def shards(shakespeare_shards: Path) -> Path:
     return shakespeare_shards
-
-
-def _run(n: int, shards: Path, run: Path, *extra: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "hpctrain", "run", "-n", str(n), "train", *BASE, f"data.path={shards}",
-           f"run.dir={run}", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
 
 
 def _rows(run: Path) -> dict[int, dict[str, float]]:
@@ -58,34 +47,42 @@ def _continues(resumed: Path, saved: Path, after: int) -> None:
     assert two["samples_seen"] == one["samples_seen"] == 160  # the data position was kept
 
 
+STEP5 = Path("checkpoints") / layout.step_name(5)
+
+
 @pytest.fixture(scope="module")
-def fsdp_run(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("fsdp") / "run"
-    _run(2, shards, run, "parallel.strategy=fsdp", "checkpoint.every_steps=5")
-    return run
+def two_ranks(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every world-2 run on one forked pair of ranks, in turn; run NAME is ``root / NAME``."""
+    root = tmp_path_factory.mktemp("across")
+    cases = [("fsdp", ["parallel.strategy=fsdp", "checkpoint.every_steps=5"]),
+             ("fsdp-into-ddp", ["parallel.strategy=ddp", "checkpoint.format=torch", f"resume={root / 'fsdp' / STEP5}"]),
+             ("ddp", ["checkpoint.every_steps=5"]),
+             ("ddp-into-fsdp", ["parallel.strategy=fsdp", f"resume={root / 'ddp' / STEP5}"])]  # whole -> shards
+    ranks = train_cases(2, [(name, [*BASE, f"data.path={shards}", *keys]) for name, keys in cases], root,
+                        keep=("steps",))
+    failed = {name: got for name, got in ranks[0].items() if not isinstance(got, dict)}
+    assert not failed, failed
+    return root
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_fsdp_checkpoint_resumes_into_ddp(shards: Path, fsdp_run: Path, tmp_path: Path, world: int) -> None:
-    ckpt = fsdp_run / "checkpoints" / layout.step_name(5)
+def test_fsdp_checkpoint_resumes_into_ddp(shards: Path, two_ranks: Path, tmp_path: Path, world: int) -> None:
+    fsdp_run = two_ranks / "fsdp"
+    ckpt = fsdp_run / STEP5
     assert layout.read_manifest(ckpt)["format"] == "dcp"
-    run = tmp_path / "ddp"
-    resume = ["parallel.strategy=ddp", "checkpoint.format=torch", f"resume={ckpt}"]
     if world == 1:
-        train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={run}", *resume]))
+        run = tmp_path / "ddp"
+        train(load_config(None, [*BASE, f"data.path={shards}", f"run.dir={run}", "parallel.strategy=ddp",
+                                 "checkpoint.format=torch", f"resume={ckpt}"]))
     else:
-        _run(world, shards, run, *resume)
+        run = two_ranks / "fsdp-into-ddp"
     _continues(run, fsdp_run, 5)
     # and it checkpoints on in its own format: whole state, written by rank 0
     assert layout.read_manifest(run / "checkpoints" / layout.step_name(10))["format"] == "torch"
 
 
-def test_ddp_checkpoint_resumes_into_fsdp(shards: Path, tmp_path: Path) -> None:
-    saved = tmp_path / "ddp"
-    _run(2, shards, saved, "checkpoint.every_steps=5")
-    ckpt = saved / "checkpoints" / layout.step_name(5)
-    assert layout.read_manifest(ckpt)["format"] == "torch"
-    run = tmp_path / "fsdp"
-    _run(2, shards, run, "parallel.strategy=fsdp", f"resume={ckpt}")  # whole state -> each rank's shards
+def test_ddp_checkpoint_resumes_into_fsdp(two_ranks: Path) -> None:
+    saved, run = two_ranks / "ddp", two_ranks / "ddp-into-fsdp"
+    assert layout.read_manifest(saved / STEP5)["format"] == "torch"
     _continues(run, saved, 5)
     assert layout.read_manifest(run / "checkpoints" / layout.step_name(10))["format"] == "dcp"
