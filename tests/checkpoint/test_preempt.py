@@ -21,7 +21,7 @@ from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.preempt import EXIT_PREEMPTED
 from hpctrain.cli import main as cli_main
 from tests.ckpt_models import SLOW_RUN_ARGS
-from tests.dist_utils import finish_launch, launch_env
+from tests.dist_utils import finish_launch, launch_env, train_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = SLOW_RUN_ARGS
@@ -84,10 +84,11 @@ def _workers(launcher_pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    code, out = _run(_torchrun(run_dir, "checkpoint.enabled=false"))
-    assert code == 0, out[-4000:]
-    return _params(run_dir)
+    """The uninterrupted run, on forked ranks (the launchers are what the tests below try)."""
+    root = tmp_path_factory.mktemp("ref")
+    got = train_cases(2, [("run", [*ARGS, "checkpoint.enabled=false"])], root, keep=("params_sha256",))[0]["run"]
+    assert isinstance(got, dict), got
+    return _params(root / "run")
 
 
 def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path: Path, reference: str) -> None:
