@@ -106,19 +106,6 @@ def test_sections_are_frozen_and_keyword_only():
         DataConfig(batch_size=0)  # a section checks itself, also when built by hand
 
 
-def test_each_component_imports_on_its_own():
-    """No import cycle through hpctrain.config, whichever package a program imports first."""
-    import subprocess
-    import sys
-
-    modules = ["hpctrain.data", "hpctrain.checkpoint", "hpctrain.models", "hpctrain.parallel", "hpctrain.optim",
-               "hpctrain.train"]
-    procs = {m: subprocess.Popen([sys.executable, "-c", f"import {m}; import hpctrain.config"], cwd=ROOT,
-                                 stderr=subprocess.PIPE, text=True) for m in modules}
-    failed = {m: p.communicate(timeout=120)[1] for m, p in procs.items()}
-    assert {m: err for m, err in failed.items() if procs[m].returncode} == {}
-
-
 def test_none_words_are_read_as_none_not_rewritten_later():
     for text in ("None", "null", "off"):
         assert load_config(None, [f"checkpoint.every_seconds={text}"]).checkpoint.every_seconds is None
