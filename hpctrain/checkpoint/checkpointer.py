@@ -184,6 +184,8 @@ class Checkpointer:
         names = sorted(n for n in files if n.startswith((f"{SHARDED_DIR}/", f"{DEEPSPEED_DIR}/")))
         for name in names[self.env.rank :: self.env.world_size]:
             _check_entry(path / name, files[name], layout.hash_file)
+        if (path / SHARDED_DIR / ".metadata").exists():
+            check_dcp_metadata(path / SHARDED_DIR)
 
     def _restore(self, path: Path, loaded: tuple[dict[str, Any], dict[str, Any]]) -> None:
         replicated, per_rank = loaded
@@ -420,3 +422,16 @@ def _trim_metrics(path: Path, step: int) -> None:
             continue  # a line cut by the crash
         keep.append(line)
     atomic_write_text(path, "".join(f"{line}\n" for line in keep))
+
+
+def check_dcp_metadata(path: Path) -> None:
+    """DCP's ``.metadata`` is a pickle that a consistent manifest does not make harmless: read it
+    with only DCP's own classes admitted; a refusal makes the checkpoint corrupt (skipped by
+    ``resume=auto``), never code that runs."""
+    from hpctrain.checkpoint import dcp_read
+    from hpctrain.safe_pickle import UnsafePickleError
+
+    try:
+        dcp_read.read_metadata(path)
+    except UnsafePickleError as err:
+        raise layout.CheckpointError(str(err)) from err

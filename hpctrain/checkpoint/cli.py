@@ -68,17 +68,36 @@ def cmd_verify(args: argparse.Namespace) -> int:
               "or run directory (`hpctrain ckpt list RUN_DIR`)", file=sys.stderr)
         return 2  # wrong input; 1 means a checkpoint is corrupt
     bad = 0
+    refused = 0
     for path in targets:
         problems = layout.verify(path)
-        bad += bool(problems)
-        print(f"{path}: {'ok' if not problems else 'CORRUPT'}")
-        for problem in problems:
+        unsafe = [] if problems else _unsafe_contents(path)
+        bad, refused = bad + bool(problems), refused + bool(unsafe)
+        print(f"{path}: {'CORRUPT' if problems else 'REFUSED' if unsafe else 'ok'}")
+        for problem in problems + unsafe:
             print(f"  {problem}")
-    return 1 if bad else 0
+    return 2 if refused else 1 if bad else 0
+
+
+def _unsafe_contents(path: Path) -> list[str]:
+    """Checksums cannot tell a crafted file from a real one (whoever wrote it can rewrite the
+    manifest): a DCP checkpoint's pickled metadata is read with only DCP's classes admitted."""
+    from hpctrain.checkpoint.state import SHARDED_DIR
+
+    if layout.read_manifest(path).get("format") != "dcp":
+        return []
+    from hpctrain.checkpoint.checkpointer import check_dcp_metadata
+
+    try:
+        check_dcp_metadata(path / SHARDED_DIR)
+    except layout.CheckpointError as err:
+        return [str(err)]
+    return []
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     # Here, not at the top: export needs torch, and list and verify (a login node's) do not.
+    from hpctrain.safe_pickle import UnsafePickleError
     from hpctrain.weights.export import SUFFIXES, ExportError, write_stream
 
     out = Path(args.out)
@@ -91,9 +110,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         if problems:
             raise layout.CheckpointError(f"{path} is corrupt: {'; '.join(problems)}")
         written = write_stream(out, checkpoint_source(path))
-    except (layout.CheckpointError, ExportError) as err:
+    except (layout.CheckpointError, ExportError, UnsafePickleError) as err:
         print(f"hpctrain ckpt export: error: {err}", file=sys.stderr)
-        return err.exit_code  # 2: no checkpoint there; 1: a corrupt one, or the output cannot be written
+        # 2: no checkpoint there, or a crafted one refused; 1: a corrupt one, or the output cannot be written
+        return err.exit_code
     assert written is not None  # write=True
     print(f"wrote {out} ({written.tensors} tensors, {written.nbytes / 1e6:.1f} MB, step "
           f"{layout.read_manifest(path).get('step')}) from {path}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import pickle
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from hpctrain import safe_pickle
 from hpctrain.data.batch import ArrayDataset
 from hpctrain.data.config import SPLITS, check_split
 from hpctrain.data.errors import DataMissingError
@@ -58,9 +58,15 @@ def mnist_file(path: str | None = None) -> Path:
 def _mnist_arrays(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray]:
     """(images as pixel/256 float32, labels) of a split, as the pickle stores them."""
     check_split(split)
-    with gzip.open(mnist_file(path), "rb") as fh:
-        parts = pickle.load(fh, encoding="latin1")
-    images, labels = parts[SPLITS.index(split)]
+    file = mnist_file(path)
+    with gzip.open(file, "rb") as fh:
+        # numpy arrays only: a data file handed over by someone else must never run code
+        parts = safe_pickle.load(fh, safe_pickle.numpy_arrays_allowed, f"MNIST pickle {file}", encoding="latin1")
+    try:
+        images, labels = parts[SPLITS.index(split)]
+    except (TypeError, IndexError, KeyError, ValueError) as err:
+        raise safe_pickle.UnsafePickleError(f"MNIST pickle {file} does not hold the (train, val, test) pairs of "
+                                            f"arrays of mnist.pkl.gz; hint: data.path names another file") from err
     return np.asarray(images), np.asarray(labels)
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hpctrain.checkpoint import dcp_read
 from hpctrain.checkpoint.state import CheckpointMismatchError
 from hpctrain.parallel.pipeline import PipelineStep
 from hpctrain.parallel.state import FLAT, ShardedState, optimizer_flattened
@@ -50,7 +50,7 @@ def load_pipeline_state(step: PipelineStep, optimizer: torch.optim.Optimizer, pa
     model_global: dict[str, Any] = {g: model_sd[k] for g, k in model_names.items()}
     optim_global: dict[str, Any] = {g: optim_sd[k] for g, k in optim_names.items()}
     # DCP loads tensors in place and replaces the other values in these dicts
-    dcp.load({"model": model_global, "optimizer": optim_global}, checkpoint_id=path, process_group=group)
+    dcp_read.load({"model": model_global, "optimizer": optim_global}, path, process_group=group)
     set_state_dict(step.model, optimizer, options=FLAT,
                    model_state_dict={k: model_global[g] for g, k in model_names.items()},
                    optim_state_dict={k: optim_global[g] for g, k in optim_names.items()})

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from hpctrain.checkpoint import dcp_read
 from hpctrain.checkpoint.state import CheckpointMismatchError
 from hpctrain.checkpoint.writer import storage_ptr
 from hpctrain.parallel.wrappers import unwrap
@@ -77,11 +78,9 @@ class WholeState:
 
     def load_sharded(self, path: str, group: Any) -> None:
         """A format=dcp checkpoint (saved at any world size, by any split of the model)."""
-        import torch.distributed.checkpoint as dcp
-
         options = StateDictOptions(flatten_optimizer_state_dict=optimizer_flattened(path))
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path, process_group=group)
+        dcp_read.load({"model": model_sd, "optimizer": optim_sd}, path, process_group=group)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=options)
 
@@ -140,7 +139,5 @@ class ShardedState(WholeState):
 def optimizer_flattened(path: str) -> bool:
     """Did the save flatten the optimizer (``optimizer.param_groups.<name>.<key>`` entries)?
     Checkpoints written before it was saved flattened load too."""
-    import torch.distributed.checkpoint as dcp
-
-    names = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    names = dcp_read.read_metadata(path).state_dict_metadata
     return any(name.startswith("optimizer.param_groups.") for name in names)

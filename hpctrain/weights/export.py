@@ -371,10 +371,11 @@ def _check_unique(names: list[str]) -> None:
 def dcp_source(path: Path, prefix: str = "model.") -> Source:
     """The model tensors of a DCP checkpoint directory, read one at a time without a process
     group (``no_dist``): the metadata lists them; the optimizer state is never read."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    from hpctrain.checkpoint import dcp_read
+
+    metadata = dcp_read.read_metadata(path)
     specs = sorted(TensorSpec(key[len(prefix):], meta.properties.dtype, tuple(meta.size))
                    for key, meta in metadata.state_dict_metadata.items()
                    if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata))
@@ -385,7 +386,7 @@ def dcp_source(path: Path, prefix: str = "model.") -> Source:
             tensor = live.track(torch.empty(spec.shape, dtype=spec.dtype))
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load({prefix + spec.name: tensor}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+                dcp_read.load({prefix + spec.name: tensor}, path, no_dist=True)
             yield tensor
             del tensor
 
