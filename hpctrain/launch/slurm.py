@@ -38,6 +38,10 @@ DEFAULT_SIGNAL_LEAD_S = 300  # when no checkpoint of this run was timed yet
 SIGNAL_MARGIN_S = 90         # Slurm may deliver the warning ~30 s late; plus a step and the exit
 PASS_THROUGH = ("NCCL_", "GLOO_", "TORCH_NCCL_")
 _WORD = re.compile(r"^[\w.,:+=@/-]+$")
+# A path in an #SBATCH line: sbatch splits directives at blanks and reads quotes, and %x are
+# its filename patterns; a newline would start a new script line. None of these may occur.
+_DIRECTIVE_PATH = re.compile(r"[^\s'\"\\%`$;\x00-\x1f\x7f]+")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class SlurmOptionError(UserError):
@@ -122,12 +126,12 @@ def gres_gpus(gres: str) -> int | None:
 def _check_words(opts: SlurmOptions) -> None:
     for name in ("partition", "account", "qos", "job_name", "gres", "mem"):
         value = getattr(opts, name)
-        if value is not None and not _WORD.match(value):
+        if value is not None and not _WORD.fullmatch(value):
             raise SlurmOptionError(f"--{name.replace('_', '-')} {value!r} has characters Slurm does not accept here")
     if opts.mem is not None and not re.fullmatch(r"\d+[KMGT]?", opts.mem):
         raise SlurmOptionError(f"--mem {opts.mem!r} must be a number with an optional unit K, M, G or T (e.g. 64G)")
     for item in opts.env:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item, re.DOTALL):  # the value is quoted
             raise SlurmOptionError(f"--env {item!r} must look like NAME=VALUE")
 
 
@@ -215,9 +219,25 @@ def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, s
     python = opts.python or ("python3" if container else sys.executable)
     exports = {k: v for k, v in sorted(environ.items()) if k.startswith(PASS_THROUGH)}
     exports.update(item.split("=", 1) for item in opts.env)  # type: ignore[misc]
+    _check_rendered(run_dir, workdir, exports)
     return JobPlan(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
                    run_dir=run_dir, workdir=workdir, config_args=args, python=python, exports=exports,
                    container=container)
+
+
+def _check_rendered(run_dir: Path, workdir: Path, exports: Mapping[str, str]) -> None:
+    """What goes into the script unquoted must not be able to change its meaning: the paths of
+    the #SBATCH lines (sbatch takes no quoting there) and the names of exported variables.
+    Everything else is rendered through ``shlex.quote``."""
+    for what, path in (("run.dir", run_dir), ("the working directory", workdir)):
+        if not _DIRECTIVE_PATH.fullmatch(str(path)):
+            raise SlurmOptionError(
+                f"{what} {str(path)!r} cannot go into an #SBATCH line: it holds a blank, a quote, a newline or "
+                f"one of % ` $ ; \\ (sbatch splits or expands them); hint: use a path without them")
+    for name in exports:
+        if not _ENV_NAME.fullmatch(name):
+            raise SlurmOptionError(f"environment variable name {name!r} is not a shell name (letters, digits, "
+                                   f"_): it would run as code in the job script; hint: unset it or rename it")
 
 
 def _absolute_config_args(path: str | None, overrides: list[str], workdir: Path, run_dir: Path) -> tuple[str, ...]:
@@ -251,6 +271,7 @@ def render(plan: JobPlan) -> str:
 
 def _header(plan: JobPlan) -> list[str]:
     o, run = plan.opts, plan.run_dir
+    # job_name: _check_words; run.name: _check_rendered
     lines = ["#!/bin/bash", f"#SBATCH --job-name={o.job_name or 'hpctrain-' + run.name}",
              f"#SBATCH --nodes={o.nodes}", "#SBATCH --ntasks-per-node=1"]
     if o.gres:
@@ -259,7 +280,7 @@ def _header(plan: JobPlan) -> list[str]:
         lines.append(f"#SBATCH --gpus-per-node={plan.gpus}")
     lines += [f"#SBATCH --{name.replace('_', '-')}={getattr(o, name)}"
               for name in ("cpus_per_task", "mem", "partition", "account", "qos") if getattr(o, name) is not None]
-    return lines + [f"#SBATCH --time={o.time}", f"#SBATCH --signal=B:USR1@{plan.signal_lead_s}",
+    return lines + [f"#SBATCH --time={o.time.strip()}", f"#SBATCH --signal=B:USR1@{plan.signal_lead_s}",
                     "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --chdir={plan.workdir}",
                     f"#SBATCH --output={run / 'slurm-%j.out'}", f"#SBATCH --error={run / 'slurm-%j.err'}"]
 
