@@ -46,13 +46,19 @@ def _config(args: argparse.Namespace) -> Config:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hpctrain.checkpoint.preempt import exit_code
+    from hpctrain.launch.rank import die_with_launcher
     from hpctrain.train import train
+
+    die_with_launcher()  # a rank of torchrun / `hpctrain run` ends with its launcher
 
     return exit_code(train(_config(args)).get("outcome"))  # 3 = preempted: requeue
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from hpctrain.evaluation.job import run_eval
+    from hpctrain.launch.rank import die_with_launcher
+
+    die_with_launcher()
 
     run_eval(_config(args), Path(args.weights), Path(args.out) if args.out else None, args.predictions)
     return 0

@@ -156,3 +156,36 @@ def test_sigterm_to_torchrun_is_forwarded_saved_and_resumed_bit_identical(tmp_pa
     code, out = _run(_hpctrain_run(run_dir, "checkpoint.mode=async"))
     assert code == 0, out[-4000:]
     assert _params(run_dir) == reference
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_ranks_end_with_a_sigkilled_launcher_and_the_restart_is_bit_identical(tmp_path: Path,
+                                                                              reference: str) -> None:
+    """SIGKILL of `hpctrain run`'s process group (the OOM killer, `timeout -s KILL`) reaches no
+    rank directly (each is in a session of its own); the kernel ends them (PR_SET_PDEATHSIG),
+    so no orphan trains on into the directory the restart uses."""
+    run_dir = tmp_path / "run"
+    cmd = _hpctrain_run(run_dir, "checkpoint.every_steps=8")
+    proc = _start(cmd)
+    _wait_for_step(run_dir, 12, proc)
+    ranks = _workers(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in ranks), "ranks outlived their launcher"
+    assert not (run_dir / "summary.json").exists()
+    code, out = _run(cmd)  # the restart, as the README says: resumes from the last committed checkpoint
+    assert code == 0, out[-4000:]
+    assert "resumed from" in out
+    assert _params(run_dir) == reference
