@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpctrain.env import detect
+from hpctrain.env import detect, started_a_group
 from hpctrain.errors import EXIT_RUN_FAILED, HpctrainError
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except HpctrainError as err:  # every deliberate error: a message and its exit code
         print(f"hpctrain {args.command}: error: {err}", file=sys.stderr)
-        return err.exit_code
+        return _leave(err.exit_code, whole_process=argv is None)
     except KeyboardInterrupt:
         print(f"hpctrain {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -167,4 +168,20 @@ def main(argv: list[str] | None = None) -> int:
               "This is a bug in hpctrain (or in user code it called), not a problem with the input; "
               "please report it with the traceback below.", file=sys.stderr)
         traceback.print_exc()
-        return EXIT_RUN_FAILED
+        return _leave(EXIT_RUN_FAILED, whole_process=argv is None)
+
+
+def _leave(code: int, whole_process: bool) -> int:
+    """After an error, the traceback keeps the run's objects alive (a DDP model, and through
+    it the gloo process group) until the error is dropped. torch's gloo group can deadlock in
+    its destructor then: the destroying thread holds the GIL while a gloo worker thread,
+    ending the failed collective's work, waits for the GIL to free a tensor (seen as a rank
+    that printed its error and never exited). A rank that ran a process group therefore ends
+    here, its output flushed, without running destructors. Only when this call is the whole
+    process (`hpctrain ...`), never when a test or a program calls ``main([...])``."""
+    if whole_process and started_a_group():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

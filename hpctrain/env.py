@@ -259,9 +259,15 @@ class _Groups:
 
     started: object | None = None  # the group init_distributed created
     found: object | None = None  # one it found running and did not create
+    ever_started: bool = False  # this process started a group at some point (it may be ended now)
 
 
 _groups = _Groups()
+
+
+def started_a_group() -> bool:
+    """Did :func:`init_distributed` start a process group in this process (ended or not)?"""
+    return _groups.ever_started
 
 
 def init_distributed(env: ClusterEnv, backend: str = "auto", timeout_s: float = 600.0) -> torch.device:
@@ -290,6 +296,7 @@ def init_distributed(env: ClusterEnv, backend: str = "auto", timeout_s: float = 
         device_id=device if device.type == "cuda" else None,
     )
     _groups.started = dist.group.WORLD
+    _groups.ever_started = True
     return device
 
 

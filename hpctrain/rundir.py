@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # only the hashing helpers touch tensors; `hpctrain slurm` wr
     import torch
     from torch import nn
 
+    from hpctrain.run_lock import RunDirLock
+
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
 
@@ -194,12 +196,24 @@ def params_sha256(model: nn.Module, full: dict[str, torch.Tensor] | None = None)
     return digest.hexdigest()
 
 
-def prepare_run_dir_together(path: Path, overwrite: bool, resume: str, is_main: bool) -> None:
+def prepare_run_dir_together(path: Path, overwrite: bool, resume: str, is_main: bool,
+                             lock: RunDirLock | None = None) -> None:
     """:func:`prepare_run_dir` once the process group exists: rank 0 alone changes the
     directory (``run.overwrite=true`` renames ``checkpoints/`` away) while the other ranks
     wait for its outcome, so no rank lists ``checkpoints/`` during the rename, and rank 0's
-    error fails every rank with the same message. Every rank calls it."""
-    agree("preparing run.dir", lambda: prepare_run_dir(path, overwrite, resume) if is_main else None)
+    error fails every rank with the same message. Every rank calls it. Rank 0 takes ``lock``
+    first: nothing is changed in a directory another live run holds."""
+    agree("preparing run.dir", lambda: _prepare_locked(path, overwrite, resume, lock) if is_main else None)
+
+
+def _prepare_locked(path: Path, overwrite: bool, resume: str, lock: RunDirLock | None) -> None:
+    if lock is not None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunDirError(f"cannot create run.dir {path}: {err}") from err
+        lock.acquire()
+    prepare_run_dir(path, overwrite, resume)
 
 
 def missing_dirs(path: Path) -> list[Path]:

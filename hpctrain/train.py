@@ -34,6 +34,7 @@ from hpctrain.parallel.base import Strategy
 from hpctrain.parallel.plan import Plan, make_plan
 from hpctrain.parallel.registry import make_strategy
 from hpctrain.precision import Precision
+from hpctrain.run_lock import RunDirLock
 from hpctrain.rundir import (
     atomic_write_text,
     check_run_dir,
@@ -385,14 +386,18 @@ def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
     created = missing_dirs(run_dir)  # a start that fails (bad data, model, checkpoint) leaves none of them behind
     ours = not torch.distributed.is_initialized()  # a group the caller started is the caller's to end
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
+    lock = RunDirLock(run_dir) if env.is_main else None  # one live run per run.dir, held by rank 0
     try:
-        prepare_run_dir_together(run_dir, cfg.run.overwrite, resume, env.is_main)  # rank 0 changes it, all wait
+        prepare_run_dir_together(run_dir, cfg.run.overwrite, resume, env.is_main, lock)  # rank 0 changes it
         return _train_in_group(cfg, plan, env, device, run_dir, given)
     except BaseException:
-        if env.is_main:
+        if lock is not None:
+            lock.release()  # before its directory may be removed
             remove_empty_dirs(created)
         raise
     finally:
+        if lock is not None:
+            lock.release()
         if ours:
             cluster.teardown()
 
