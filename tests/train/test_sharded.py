@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,7 @@ def test_fsdp_sigkill_then_restart_is_bit_identical(shards: Path, two_ranks: Pat
     kill_at = random.Random().randint(5, 18)
     proc = preempt._start(cmd)
     preempt._wait_for_step(run_dir, kill_at, proc)
+    _wait_for_a_commit(run_dir / "checkpoints", proc)  # an async save may still be writing at kill_at
     for pid in [*preempt._workers(proc.pid), proc.pid]:
         os.kill(pid, signal.SIGKILL)  # nothing gets to clean up, as on a node failure
     proc.communicate()
@@ -151,6 +153,14 @@ def test_fsdp_sigkill_then_restart_is_bit_identical(shards: Path, two_ranks: Pat
     assert f"resumed from {run_dir / 'checkpoints' / layout.step_name(saved[-1])}" in again.stderr + again.stdout
     summaries = [json.loads((r / "summary.json").read_text()) for r in (reference, run_dir)]
     assert summaries[1]["params_sha256"] == summaries[0]["params_sha256"], (kill_at, saved)
+
+
+def _wait_for_a_commit(root: Path, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + preempt.TIMEOUT
+    while not layout.committed(root):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no committed checkpoint under {root} before the run ended")
+        time.sleep(0.01)
 
 
 def test_zero1_checkpoint_resumes_at_world_2_and_1(shards: Path, two_ranks: Path, tmp_path: Path) -> None:
