@@ -2,6 +2,7 @@
 in the same run, on the same state, interleaved round by round.
 
     python benchmarks/checkpoint.py [--gb 1.0] [--repeats 3] [--dir /tmp/hpctrain-bench-ckpt] [--json out.json]
+    python benchmarks/checkpoint.py --restart-only [--gb 1.0] [--repeats 3] [--local-dir DIR]
 
 Writes (each durable: fsync before the clock stops):
 
@@ -24,6 +25,12 @@ Reads, each from a cold page cache (posix_fadvise DONTNEED), into the live, pre-
 Also the async stall (time ``save()`` blocks plus the time the next ``optimizer.step()``
 waits for the writer thread's copy, against a sync save) and ``Checkpointer.resume``
 end to end. Buffers are pre-touched: this VM first-touches fresh memory at 1-3 GB/s.
+
+Restart of a two-tier checkpoint (``checkpoint.local_dir``), side by side: ``resume=auto``
+reading the node-local copy (verified against the manifest while read) against reading the
+shared copy (the local one hidden), alternating round by round, each from a cold page cache.
+``--local-dir`` puts the node-local tier on another disk (a node's NVMe) than ``--dir`` (the
+shared file system); by default both are under ``--dir``, on the same disk.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -40,7 +49,50 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the measuring code is shared with `hpctrain bench checkpoint`
-from hpctrain.bench.ckpt_io import run  # noqa: E402
+from hpctrain.bench.ckpt_io import CPU, build_parts, run, state_bytes  # noqa: E402
+from hpctrain.bench.pagecache import evict  # noqa: E402
+
+
+def bench_restart(scratch: Path, local_dir: Path, gb: float, repeats: int) -> dict[str, float]:
+    """Seconds of ``Checkpointer.resume("auto")`` from the node-local copy and from the shared one."""
+    from hpctrain.checkpoint import layout
+    from hpctrain.checkpoint.checkpointer import Checkpointer
+    from hpctrain.config import load_config
+    from hpctrain.env import ClusterEnv
+
+    parts = build_parts(gb)
+    cfg = load_config(None, ["checkpoint.every_seconds=None", f"checkpoint.local_dir={local_dir}"]).checkpoint
+    run_dir = scratch / "restart"
+
+    def checkpointer() -> Checkpointer:
+        ckpt = Checkpointer(run_dir, ClusterEnv(), CPU, cfg, parts.state())
+        ckpt.signals.uninstall()
+        return ckpt
+
+    ckpt = checkpointer()
+    parts.counters.step = 1
+    ckpt.save({}, blocking=True)  # two-tier: node-local first, then the shared copy, then step-1 kept locally
+    ckpt.close()
+    assert ckpt.writer.local is not None
+    copy = ckpt.writer.local / layout.step_name(1)
+    hidden = copy.with_name("hidden-for-the-shared-read")
+    times: dict[str, list[float]] = {"local": [], "shared": []}
+    for r in range(repeats):
+        for where in ("local", "shared") if r % 2 == 0 else ("shared", "local"):
+            if where == "shared":
+                copy.rename(hidden)
+            evict(run_dir)
+            evict(copy.parent)
+            resumed = checkpointer()
+            start = time.perf_counter()
+            assert resumed.resume("auto")
+            times[where].append(time.perf_counter() - start)
+            resumed.close()
+            if where == "shared":
+                hidden.rename(copy)
+    local_s, shared_s = statistics.median(times["local"]), statistics.median(times["shared"])
+    return {"restart_state_GB": state_bytes(parts) / 1e9, "restart_local_s": local_s, "restart_shared_s": shared_s,
+            "restart_shared_over_local": shared_s / local_s}
 
 
 def main() -> int:
@@ -53,15 +105,23 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="torch threads (the trainer's default for one rank: all cores)")
     ap.add_argument("--json", help="write {hpctrain_save_vs_dd, hpctrain_load_vs_dd, torch_save_vs_dd, ...} here")
+    ap.add_argument("--restart-only", action="store_true",
+                    help="only the two-tier restart: node-local copy against shared copy")
+    ap.add_argument("--local-dir", help="the node-local tier for the restart figures (default: DIR/local, the same "
+                                        "disk as the shared copy)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     scratch = Path(args.dir)
-    shutil.rmtree(scratch, ignore_errors=True)
+    local_dir = Path(args.local_dir) / "hpctrain-bench-local" if args.local_dir else scratch / "local"
+    for path in (scratch, local_dir):
+        shutil.rmtree(path, ignore_errors=True)
     scratch.mkdir(parents=True)
     try:
-        results = run(scratch, args.gb, args.repeats, args.step_ms / 1e3)
+        results = {} if args.restart_only else run(scratch, args.gb, args.repeats, args.step_ms / 1e3)
+        results.update(bench_restart(scratch, local_dir, args.gb, args.repeats))
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        for path in (scratch, local_dir):
+            shutil.rmtree(path, ignore_errors=True)
     for key, value in results.items():
         print(f"{key:<24} {value:.4g}" if isinstance(value, float) else f"{key:<24} {value}")
     if args.json:

@@ -2,7 +2,8 @@
 check (profiler/straggler schedule) that hpctrain's loop makes, timed in isolation with
 ``timeit`` (best of 5), minus an empty call. The end-to-end loop overhead against a
 hand-written loop is benchmarks/overhead.py; this isolates the meter's share of it, which
-a loaded machine's noise (+-50 us per step) would hide there.
+a loaded machine's noise (+-50 us per step) would hide there. Measured twice, side by side:
+without and with the heartbeat that ``hpctrain run``'s hang watchdog reads (docs/hangs.md).
 
     PYTHONPATH=. python benchmarks/meter.py [--calls 200000]
 """
@@ -10,6 +11,8 @@ a loaded machine's noise (+-50 us per step) would hide there.
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import timeit
 
 import torch
@@ -17,11 +20,16 @@ import torch
 from hpctrain.config import load_config
 from hpctrain.env import ClusterEnv
 from hpctrain.parallel.plan import plan_for
+from hpctrain.telemetry import heartbeat
 from hpctrain.telemetry.loop import Telemetry
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, FORWARD, OPTIM, OTHER
 
 
-def per_step_us(calls: int) -> float:
+def per_step_us(calls: int, beat: bool = False) -> float:
+    heartbeat._current = None  # a fresh meter opens its own heartbeat (or none)
+    os.environ.pop(heartbeat.ENV_DIR, None)
+    if beat:
+        os.environ[heartbeat.ENV_DIR] = tempfile.mkdtemp(prefix="hpctrain-bench-beats-")
     cfg = load_config(None, ["telemetry.peak_tflops=1"])
     plan = plan_for(cfg.parallel, ClusterEnv())
     tel = Telemetry.build(cfg.telemetry, ClusterEnv(), torch.device("cpu"), 0, batch=plan)
@@ -49,7 +57,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200_000)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"meter hot path: {per_step_us(args.calls):.2f} us per optimizer step (6 laps + after_step)")
+    off, on = per_step_us(args.calls), per_step_us(args.calls, beat=True)
+    print(f"meter hot path: {off:.2f} us per optimizer step (6 laps + after_step); with the heartbeat "
+          f"(hpctrain run): {on:.2f} us (+{on - off:.2f})")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpctrain.env import detect, started_a_group
-from hpctrain.errors import EXIT_RUN_FAILED, HpctrainError
+from hpctrain.errors import EXIT_RUN_FAILED, IO_ERRNOS, HpctrainError, io_error
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
@@ -46,20 +46,23 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hpctrain.checkpoint.preempt import exit_code
-    from hpctrain.launch.rank import die_with_launcher
+    from hpctrain.checkpoint.preempt import exit_code, keep_signals, start_up_signals
+
+    cfg = _config(args)  # no torch yet: during its import (seconds) a preemption signal would end the rank
+    keep_signals(start_up_signals(cfg.checkpoint))  # kept instead, and honoured after the first step
+    from hpctrain.launch.rank import start_rank
     from hpctrain.train import train
 
-    die_with_launcher()  # a rank of torchrun / `hpctrain run` ends with its launcher
+    start_rank()  # a rank of torchrun / `hpctrain run` ends with its launcher and beats for its watchdog
 
-    return exit_code(train(_config(args)).get("outcome"))  # 3 = preempted: requeue
+    return exit_code(train(cfg).get("outcome"))  # 3 = preempted: requeue
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from hpctrain.evaluation.job import run_eval
-    from hpctrain.launch.rank import die_with_launcher
+    from hpctrain.launch.rank import start_rank
 
-    die_with_launcher()
+    start_rank()
 
     run_eval(_config(args), Path(args.weights), Path(args.out) if args.out else None, args.predictions)
     return 0
@@ -163,12 +166,29 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"hpctrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:  # disk full, read-only, permission denied: the machine's state, not a bug
+        if err.errno not in IO_ERRNOS:
+            return _internal_error(args.command, err, whole_process=argv is None)
+        known = _io_error(err)
+        print(f"hpctrain {args.command}: error: {known}", file=sys.stderr)
+        return _leave(known.exit_code, whole_process=argv is None)
     except Exception as err:  # noqa: BLE001 - a bug: say so first, then show where
-        print(f"hpctrain {args.command}: internal error: {type(err).__name__}: {err}\n"
-              "This is a bug in hpctrain (or in user code it called), not a problem with the input; "
-              "please report it with the traceback below.", file=sys.stderr)
-        traceback.print_exc()
-        return _leave(EXIT_RUN_FAILED, whole_process=argv is None)
+        return _internal_error(args.command, err, whole_process=argv is None)
+
+
+def _internal_error(command: str, err: Exception, whole_process: bool) -> int:
+    """A bug: a first line that says so, then the traceback of the error being handled."""
+    print(f"hpctrain {command}: internal error: {type(err).__name__}: {err}\n"
+          "This is a bug in hpctrain (or in user code it called), not a problem with the input; "
+          "please report it with the traceback below.", file=sys.stderr)
+    traceback.print_exc()
+    return _leave(EXIT_RUN_FAILED, whole_process)
+
+
+def _io_error(err: OSError) -> HpctrainError:
+    """An I/O error no module turned into an :class:`HpctrainError`: one line naming its path."""
+    path = err.filename if err.filename2 is None else f"{err.filename} -> {err.filename2}"
+    return io_error("read or write", "a file" if path is None else path, err)
 
 
 def _leave(code: int, whole_process: bool) -> int:

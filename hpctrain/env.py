@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from hpctrain.errors import UserError
 
@@ -287,17 +287,30 @@ def init_distributed(env: ClusterEnv, backend: str = "auto", timeout_s: float = 
         return device
     chosen = pick_backend(device, backend)
     check_gpus_per_node(env.local_world_size, torch.cuda.device_count(), chosen)
-    # Under torchrun, env:// reuses the elastic agent's store; srun tasks meet over TCP.
-    init_method = "env://" if env.source == "torchrun" else f"tcp://{_bracket(env.master_addr)}:{env.master_port}"
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend=chosen, init_method=init_method,
-        rank=env.rank, world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend=chosen, store=_attempt_store(env, timeout),
+        rank=env.rank, world_size=env.world_size, timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
     _groups.started = dist.group.WORLD
     _groups.ever_started = True
     return device
+
+
+def _attempt_store(env: ClusterEnv, timeout: datetime.timedelta) -> Any:
+    """torch's own rendezvous store, its keys scoped to this torchrun attempt.
+
+    Under torchrun, env:// reuses the elastic agent's store, which outlives a restart
+    (``--max-restarts``): without a scope, a restarted gloo group reads the dead attempt's
+    addresses and fails with "connectFullMesh failed ... Connection refused" (2 of 3 restarts
+    with torch 2.13 here). srun tasks meet over TCP."""
+    import torch.distributed as dist
+
+    url = "env://" if env.source == "torchrun" else f"tcp://{_bracket(env.master_addr)}:{env.master_port}"
+    store, _, _ = next(dist.rendezvous(url, rank=env.rank, world_size=env.world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"hpctrain/attempt-{attempt}", store)
 
 
 def check_gpus_per_node(local_ranks: int, gpus: int, backend: str) -> None:

@@ -12,6 +12,8 @@ phase that ends in a collective never leaves the other ranks waiting in it.
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -19,6 +21,7 @@ EXIT_OK = 0
 EXIT_RUN_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 3
+EXIT_HUNG = 4  # hpctrain run's watchdog found a rank without progress (hpctrain.launch.watchdog)
 
 T = TypeVar("T")
 
@@ -39,6 +42,51 @@ class RunError(HpctrainError, RuntimeError):
     """The run failed (I/O, corruption found mid-run, another rank failed). Exit code 1."""
 
     exit_code = EXIT_RUN_FAILED
+
+
+# What to do about an I/O error, by errno. Never "delete it": a file that cannot be read may
+# be the only copy of a checkpoint or a data set, and a permission problem is not corruption.
+_IO_HINTS = {
+    errno.ENOSPC: "free space on that file system (or use another location), then run the command again; "
+                  "training resumes from its last committed checkpoint",
+    errno.EDQUOT: "free space or ask for a larger quota, then run the command again; training resumes from its "
+                  "last committed checkpoint",
+    errno.EROFS: "that file system is mounted read-only: choose a writable location",
+    errno.EACCES: "check the permissions of the path and its folders (and who runs the job)",
+    errno.EPERM: "check the permissions of the path and its folders (and who runs the job)",
+    errno.ENOENT: "check that the path exists (a folder on the way may be missing)",
+    errno.ENOTDIR: "a file stands where a folder is expected on that path",
+    errno.EISDIR: "a folder stands where a file is expected",
+    errno.EIO: "the storage reported an I/O error: check the disk or the file system's health",
+}
+IO_ERRNOS = frozenset(_IO_HINTS)  # errors of the machine or the file system, not bugs of hpctrain
+
+
+def io_message(action: str, path: object, err: OSError) -> str:
+    """``cannot ACTION PATH: STRERROR; hint: ...``: one line for an I/O error, naming the path."""
+    reason = (err.strerror or os.strerror(err.errno)) if err.errno else str(err)
+    hint = _IO_HINTS.get(err.errno or 0, "check the path, its permissions and the free space")
+    return f"cannot {action} {path}: {reason}; hint: {hint}"
+
+
+class RunIOError(RunError):
+    """Reading or writing a path failed mid-run (disk full, read-only, permission denied). Exit
+    code 1. The message is :func:`io_message`'s (a plain message: it pickles across processes)."""
+
+
+class UserIOError(UserError):
+    """A path given as input cannot be read or written (read-only, permission denied). Exit code 2."""
+
+
+_RUN_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})  # a retry may succeed; the path itself is fine
+
+
+def io_error(action: str, path: object, err: OSError) -> HpctrainError:
+    """The error to raise for ``err``: a full disk or a failing device is a failed run (exit 1,
+    run it again once fixed); a path that is read-only, forbidden or missing is wrong input
+    (exit 2, choose another)."""
+    cls = RunIOError if err.errno in _RUN_FAILURES else UserIOError
+    return cls(io_message(action, path, err))
 
 
 class PeerError(RunError):
@@ -68,7 +116,7 @@ def agree(phase: str, fn: Callable[[], T]) -> T:
         result = fn()
     except Exception as err:  # noqa: BLE001 - exchanged, then re-raised below
         error = err
-    outcome = None if error is None else (dist.get_rank(), _describe(error), _exit_code(error))
+    outcome = None if error is None else (dist.get_rank(), describe(error), _exit_code(error))
     outcomes: list[tuple[int, str, int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, outcome)
     if error is not None:
@@ -80,7 +128,8 @@ def agree(phase: str, fn: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
-def _describe(error: BaseException) -> str:
+def describe(error: BaseException) -> str:
+    """An error in one line: its own message if hpctrain raised it on purpose, else type and message."""
     return str(error) if isinstance(error, HpctrainError) else f"{type(error).__name__}: {error}"
 
 

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from hpctrain.errors import RunError, UserError, agree
+from hpctrain.errors import RunError, UserError, agree, describe, io_message
 
 if TYPE_CHECKING:  # only the hashing helpers touch tensors; `hpctrain slurm` writes its script here without torch
     import torch
     from torch import nn
 
     from hpctrain.run_lock import RunDirLock
+
+log = logging.getLogger("hpctrain")
 
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
@@ -70,7 +73,7 @@ def check_run_dir(path: Path, overwrite: bool, resume: str = "never") -> bool:
     checkpoints = path / CHECKPOINTS
     # run.overwrite never discards an unfinished run that resume=auto would continue: a
     # requeued job carrying overwrite=true must not lose its checkpoints on every restart.
-    if checkpoints.is_dir() and any(checkpoints.iterdir()) and (finished or resume == "never"):
+    if checkpoints.is_dir() and _has_entries(checkpoints) and (finished or resume == "never"):
         if not overwrite:
             raise RunDirError(
                 f"run.dir {path} holds checkpoints of an unfinished run; hint: resume=auto continues it, "
@@ -78,6 +81,13 @@ def check_run_dir(path: Path, overwrite: bool, resume: str = "never") -> bool:
             )
         return True
     return False
+
+
+def _has_entries(folder: Path) -> bool:
+    try:
+        return any(folder.iterdir())
+    except OSError as err:  # unreadable is not empty, and not corrupt: its checkpoints may be all there is
+        raise RunDirError(io_message("list", folder, err)) from err
 
 
 def _remove_old_checkpoints(checkpoints: Path) -> None:
@@ -120,8 +130,10 @@ def atomic_open(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
             fh.flush()
             os.fsync(fh.fileno())
         replace_durably(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:
+            err.filename = str(path)  # a failed write() or fsync() names no file: name the one it was for
         raise
 
 
@@ -212,8 +224,30 @@ def _prepare_locked(path: Path, overwrite: bool, resume: str, lock: RunDirLock |
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise RunDirError(f"cannot create run.dir {path}: {err}") from err
-        lock.acquire()
+        try:
+            lock.acquire()  # the first write into the directory: a read-only one fails here
+        except OSError as err:
+            raise RunDirError(io_message("write into run.dir", path, err)) from err
     prepare_run_dir(path, overwrite, resume)
+
+
+@contextmanager
+def failure_recorded(is_main: bool, record: Callable[[str], None]) -> Iterator[None]:
+    """When the block raises, rank 0 calls ``record(error)`` (the trainer: write ``status.json``
+    outcome ``failed`` with the error and the step), then the error goes on: a batch script (or
+    ``hpctrain slurm status``) must never read ``running`` from a run that has ended. A record
+    that cannot be written (the same full disk, say) is logged, never raised over the error
+    that ended the run."""
+    try:
+        yield
+    except BaseException as err:
+        if is_main:
+            try:
+                record(describe(err))
+            except OSError as record_err:
+                log.warning("%s", io_message("record the failure in", record_err.filename or "status.json",
+                                             record_err))
+        raise
 
 
 def missing_dirs(path: Path) -> list[Path]:

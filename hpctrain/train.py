@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from hpctrain import env as cluster
 from hpctrain.checkpoint import Checkpointer
-from hpctrain.checkpoint.preempt import SignalFlag, write_status
+from hpctrain.checkpoint.preempt import SignalFlag, signal_names, write_status
 from hpctrain.checkpoint.state import Counters
 from hpctrain.config import Config, ConfigError, to_yaml
 from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data, eval_batch_size
@@ -38,6 +38,7 @@ from hpctrain.run_lock import RunDirLock
 from hpctrain.rundir import (
     atomic_write_text,
     check_run_dir,
+    failure_recorded,
     missing_dirs,
     prepare_run_dir_together,
     remove_empty_dirs,
@@ -204,6 +205,7 @@ def _fit(loop: Loop) -> LoopResult:
                 break  # stopped by max_steps or a preemption mid-epoch
             counters.epoch += 1
             if cfg.train.eval_each_epoch:
+                tel.meter.lap(OTHER)  # the epoch's end; the heartbeat then shows validation (a long phase)
                 _validate(loop)
                 tel.meter.lap(EVAL)
     finally:
@@ -405,7 +407,9 @@ def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
 def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
                     given: Config | None = None) -> dict[str, Any]:
     """``cfg`` as this world size runs it; ``given`` (default: cfg) as the user wrote it, for config.yaml."""
-    signals = SignalFlag(cfg.checkpoint.signals if cfg.checkpoint.enabled else [])
+    # once the group exists (before, SIGTERM must still end a rank whose peer failed to start); a
+    # signal `hpctrain train` kept since its start (preempt.keep_signals) counts as received here
+    signals = SignalFlag(signal_names(cfg.checkpoint))
     signals.install()  # early: a preemption during set-up must not kill the job unsaved
     try:  # and gone again however the run ends: a caller in this process keeps its own handlers
         return _set_up_and_run(cfg, plan, env, device, run_dir, given or cfg, signals)
@@ -444,20 +448,20 @@ def _set_up_and_run(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
                  "%d per rank x %d micro-steps x %d %s", cfg.model.name, cfg.data.name, data.train_size,
                  data.val_size, env.world_size, device, plan.global_batch, plan.micro_batch, plan.grad_accum,
                  plan.dp, "ranks" if plan.dp == env.world_size else "data-parallel replicas")
-    try:
-        result = _run_loop(Loop(cfg, env, device, parts, tel, ckpt))
-    except BaseException:
+    # up to summary.json, an error leaves status.json "failed" with the error (model.pt too)
+    with failure_recorded(env.is_main, lambda error: write_status(run_dir, "failed", step=parts.counters.step,
+                                                                   error=error)):
+        try:
+            result = _run_loop(Loop(cfg, env, device, parts, tel, ckpt))
+        finally:
+            tel.close()
+        if result.preempted:
+            return _preempted(env, run_dir, parts, ckpt)
+        digest = save_model_streamed(parts.strategy, run_dir / "model.pt")  # every rank: gathers tensor by tensor
+        summary = _summary(cfg, env, parts, result, digest)
         if env.is_main:
-            write_status(run_dir, "failed", step=parts.counters.step)
-        raise
-    finally:
-        tel.close()
-    if result.preempted:
-        return _preempted(env, run_dir, parts, ckpt)
-    digest = save_model_streamed(parts.strategy, run_dir / "model.pt")  # every rank: gathers tensor by tensor
-    summary = _summary(cfg, env, parts, result, digest)
+            write_json(run_dir / "summary.json", summary)
     if env.is_main:
-        write_json(run_dir / "summary.json", summary)
         write_status(run_dir, "finished", step=parts.counters.step)
         shown = ("steps", "val_loss", "val_perplexity" if summary["val_perplexity"] is not None else "val_accuracy",
                  "val_count", "samples_per_s", "tokens_per_s", "skipped_samples")

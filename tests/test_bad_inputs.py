@@ -75,6 +75,11 @@ CASES = [
     # ---- data
     Case("unknown-dataset", ["train", *TINY, "data.name=cifar11", "run.dir={run}"], 2, "cifar11"),
     Case("mnist-path-missing", ["train", "data.path={ws}/nowhere", "run.dir={run}"], 2, "nowhere"),
+    Case("mnist-path-not-gzip", ["train", "data.path={ws}/garbage.yaml", "run.dir={run}"], 2,
+         "garbage.yaml is not MNIST's mnist.pkl.gz"),
+    Case("mnist-path-another-archive", ["data", "shard", "mnist:{ws}/list.pt", "{ws}/out"], 2,
+         "list.pt is not MNIST's mnist.pkl.gz"),
+    Case("mnist-path-dir-without-mnist", ["train", "data.path={ws}/empty", "run.dir={run}"], 2, "mnist.pkl.gz"),
     Case("shards-without-path", ["train", *SHARDS, "data.path=null", "run.dir={run}"], 2, "data.path"),
     Case("shards-path-missing", ["train", *SHARDS, "data.path={ws}/nowhere", "run.dir={run}"], 2, "nowhere"),
     Case("shards-path-is-a-file", ["train", *SHARDS, "data.path={ws}/garbage.yaml", "run.dir={run}"], 2,

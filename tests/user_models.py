@@ -127,3 +127,34 @@ def tuple_output() -> nn.Module:
 def token_classifier(num_classes: int = 10) -> nn.Module:
     """Integer token ids in (an embedding first): checked with input_dtype=torch.long."""
     return nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 16, num_classes))
+
+
+class _Deadlocking(nn.Module):
+    """A deadlock in user code: the training forward number ``at`` of rank ``rank`` takes a
+    lock it already holds, in the first attempt only (a torchrun restart runs normally)."""
+
+    def __init__(self, inner: nn.Module, rank: int, at: int) -> None:
+        super().__init__()
+        self.inner, self.rank, self.at, self.calls = inner, rank, at, 0
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        import os
+        import threading
+
+        if self.training and x.device.type != "meta":
+            self.calls += 1
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if first_attempt and self.calls == self.at and int(os.environ.get("RANK", "0")) == self.rank:
+                lock = threading.Lock()
+                lock.acquire()
+                lock.acquire()  # never returns
+        return self.inner(x)
+
+
+def deadlocking_mlp(num_classes: int = 10) -> nn.Module:
+    """tiny_mlp that deadlocks on rank $HPCTRAIN_TEST_STALL_RANK (default 1) at its training
+    forward $HPCTRAIN_TEST_STALL_AT (default 6), in the first attempt only."""
+    import os
+
+    return _Deadlocking(tiny_mlp(num_classes), int(os.environ.get("HPCTRAIN_TEST_STALL_RANK", "1")),
+                        int(os.environ.get("HPCTRAIN_TEST_STALL_AT", "6")))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from hpctrain import safe_pickle
 from hpctrain.checkpoint import layout, tensorfile
 from hpctrain.checkpoint.policy import Schedule
 from hpctrain.checkpoint.preempt import Agreement, SignalFlag
@@ -95,8 +97,16 @@ class Checkpointer:
         self.best: dict[str, Any] = {}
         self._best_pending: dict[str, Any] | None = None  # best.json waits for its checkpoint's commit
         self.preempted = False
-        # Nobody writes a new partial before the old ones are gone; rank 0's failure fails all.
-        agree("preparing the checkpoint directory", lambda: self._prepare_root() if env.is_main else None)
+        # Nobody writes a new partial before the old ones are gone; one rank's failure fails all.
+        agree("preparing the checkpoint directory", self._prepare)
+
+    def _prepare(self) -> None:
+        """Rank 0 makes checkpoints/ and removes what killed saves and writes left in the run
+        directory; the first rank of each node clears its node-local tier's leftovers."""
+        if self.env.is_main:
+            self._prepare_root()
+        if self.env.local_rank == 0:
+            self.writer.remove_local_leftovers()
 
     def _prepare_root(self) -> None:
         try:
@@ -104,6 +114,8 @@ class Checkpointer:
         except OSError as err:
             raise layout.CheckpointError(f"cannot create {self.root}: {err}; hint: check run.dir permissions") from err
         layout.remove_partials(self.root)
+        layout.remove_stale_temps(self.root, layout.BEST_FILE)
+        layout.remove_stale_temps(self.run_dir, "model.pt")  # weights.save_model_streamed writes RUN_DIR/model.pt
 
     # ---------------------------------------------------------------- resume
 
@@ -146,21 +158,35 @@ class Checkpointer:
 
     def _read(self, path: Path) -> tuple[list[str], Any]:
         """This rank's files of ``path``, each read once and checked against the manifest
-        while it is read (the model's bytes straight into the live parameters). Returns
-        (problems, (replicated, per_rank)); corruption is a problem, not an error."""
+        while it is read (the model's bytes straight into the live parameters), from the
+        node-local copy where it has them and they match. Returns (problems, (replicated,
+        per_rank)); corruption (and a crafted file) is a problem, not an error; a file that
+        cannot be read is an error (fix the permissions; nothing is skipped)."""
+        copies = Copies(path, self._local_copy(path))
         try:
             manifest = layout.read_manifest(path)
             files = manifest["files"]
             fmt = self._check_format(path, manifest)
             same_world = manifest.get("world_size") == self.env.world_size
             live = self.view.live_tensors() if fmt == "torch" else None  # a whole model: bytes straight in
-            replicated = load_replicated(path, _named_model(live), files)
-            per_rank = load_file(path / rank_file(self.env.rank if same_world else 0), files)
+            replicated = load_replicated(path, _named_model(live), files, copies)
+            per_rank = copies.read(rank_file(self.env.rank if same_world else 0), lambda p: load_file(p, files))
             if fmt != "torch":
                 self._verify_sharded(path, files)
-        except (layout.CheckpointError, tensorfile.TensorFileError) as err:
+        except layout.UnreadableCheckpointError:
+            raise
+        except (layout.CheckpointError, tensorfile.TensorFileError, safe_pickle.UnsafePickleError) as err:
             return [str(err)], None
+        copies.log_source()
         return [], (replicated, per_rank)
+
+    def _local_copy(self, path: Path) -> Path | None:
+        """Where the two-tier writer keeps its node-local copy of ``path`` (one of this run's
+        checkpoints), present or not; None without a node-local tier."""
+        local = self.writer.local
+        if local is None or path.parent.resolve() != self.root.resolve():
+            return None
+        return local / path.name
 
     def _check_format(self, path: Path, manifest: dict[str, Any]) -> str:
         """The checkpoint's format (its manifest's, not the config's: a DCP checkpoint loads into a
@@ -182,10 +208,11 @@ class Checkpointer:
         """format=dcp / deepspeed: DCP (DeepSpeed) reads its files itself, so they are hashed
         before it does (two passes); each rank takes a share of the files."""
         names = sorted(n for n in files if n.startswith((f"{SHARDED_DIR}/", f"{DEEPSPEED_DIR}/")))
-        for name in names[self.env.rank :: self.env.world_size]:
+        mine = names[self.env.rank :: self.env.world_size]
+        for name in mine:
             _check_entry(path / name, files[name], layout.hash_file)
-        if (path / SHARDED_DIR / ".metadata").exists():
-            check_dcp_metadata(path / SHARDED_DIR)
+        if (path / SHARDED_DIR / ".metadata").exists():  # the items of this rank's share of the files, too
+            check_dcp_metadata(path / SHARDED_DIR, {n.split("/", 1)[1] for n in mine if n.startswith(SHARDED_DIR)})
 
     def _restore(self, path: Path, loaded: tuple[dict[str, Any], dict[str, Any]]) -> None:
         replicated, per_rank = loaded
@@ -344,41 +371,91 @@ def _named_model(live: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor
     return tensorfile.split({"model": live})[1] if live is not None else None
 
 
+class Copies:
+    """Where a checkpoint's files are read from: the two-tier writer's node-local copy
+    (``local``) where it holds the file and the file matches the manifest, else the shared
+    checkpoint directory. A local file that does not match is logged and read from shared."""
+
+    def __init__(self, shared: Path, local: Path | None = None) -> None:
+        self.shared, self.local = shared, local
+        self.from_local: list[str] = []
+
+    def read(self, name: str, read: Callable[[Path], T]) -> T:
+        if self.local is not None and (self.local / name).is_file():
+            try:
+                value = read(self.local / name)
+            except (layout.CheckpointError, tensorfile.TensorFileError, safe_pickle.UnsafePickleError) as err:
+                log.warning("checkpoint: the node-local copy %s does not match %s (%s): reading the shared copy",
+                            self.local / name, self.shared / layout.MANIFEST, err)
+            else:
+                self.from_local.append(name)
+                return value
+        return read(self.shared / name)
+
+    def log_source(self) -> None:
+        """Say which copy was read (two-tier only)."""
+        if self.local is None:
+            return
+        if self.from_local:
+            log.info("checkpoint %s: read %s from the node-local copy %s (verified against the manifest of %s)",
+                     self.shared.name, ", ".join(self.from_local), self.local, self.shared)
+        else:
+            log.info("checkpoint %s: no node-local copy in %s matches it: read from the shared %s", self.shared.name,
+                     self.local, self.shared)
+
+
 def load_replicated(path: Path, into: dict[str, torch.Tensor] | None = None,
-                    files: dict[str, Any] | None = None) -> dict[str, Any]:
+                    files: dict[str, Any] | None = None, copies: Copies | None = None) -> dict[str, Any]:
     """The replicated state tree of a checkpoint; tensors whose live counterpart is given
     in ``into`` (by name) are read straight into it. With ``files`` (the manifest's
-    entries) every file is checked against its size and checksum in the same pass."""
-    skeleton = load_file(path / REPLICATED, files)
+    entries) every file is checked against its size and checksum in the same pass.
+    ``copies``: where each file is read from (default: ``path``)."""
+    copies = copies or Copies(path)
+    skeleton = copies.read(REPLICATED, lambda p: load_file(p, files))
     tensors_file = path / REPLICATED_TENSORS
     if not tensors_file.is_file():
         if files is not None and REPLICATED_TENSORS in files:
             raise layout.CheckpointError(f"{tensors_file}: missing")
         return skeleton  # nothing but small values (format=dcp keeps model and optimizer apart)
-    expect = _entry(files, tensors_file)
+    tensors = copies.read(REPLICATED_TENSORS, lambda p: _read_tensors(p, into, files))
+    return tensorfile.join(skeleton, tensors)
+
+
+def _read_tensors(path: Path, into: dict[str, torch.Tensor] | None,
+                  files: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    expect = _entry(files, path)
     try:
-        tensors = tensorfile.read(tensors_file, into, expect)
+        return tensorfile.read(path, into, expect)
     except tensorfile.TensorFileError:
         raise
-    except (OSError, KeyError, TypeError, ValueError) as err:
-        raise layout.CheckpointError(f"{tensors_file} cannot be read ({type(err).__name__}: {err})") from err
-    return tensorfile.join(skeleton, tensors)
+    except OSError as err:
+        raise layout.unreadable(path, err) from err
+    except (KeyError, TypeError, ValueError) as err:
+        raise layout.CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err})") from err
 
 
 def load_file(path: Path, files: dict[str, Any] | None = None) -> dict[str, Any]:
     """A small checkpoint file (skeleton, per-rank state): read once, checked against its
-    manifest entry when ``files`` is given, then unpickled from memory."""
+    manifest entry when ``files`` is given, checked against safe_pickle's limits (nesting,
+    size, zip bomb: a consistent manifest proves nothing), then unpickled from memory with
+    ``weights_only``."""
     if not path.is_file():
         raise layout.CheckpointError(f"{path} is missing; hint: `hpctrain ckpt verify {path.parent}`")
     expect = _entry(files, path)
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise layout.CheckpointError(f"{path} cannot be read ({err})") from err
+        raise layout.unreadable(path, err) from err
     if expect is not None:
         _check_entry(path, expect, lambda _: _tree_entry(data))
+    safe_pickle.check_torch_archive(data, str(path))
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # weights_only refused what the file names: never written here
+        raise safe_pickle.UnsafePickleError(
+            f"{path} holds objects a checkpoint never holds: refused without running them "
+            f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); hint: the file was not written by "
+            "this program (crafted or from another tool): do not use it") from err
     except Exception as err:
         raise layout.CheckpointError(f"{path} cannot be loaded ({type(err).__name__}: {err})") from err
 
@@ -399,7 +476,10 @@ def _tree_entry(data: bytes) -> dict[str, Any]:
 
 
 def _check_entry(path: Path, expect: dict[str, Any], hasher: Callable[[Path], dict[str, Any]]) -> None:
-    got = hasher(path)
+    try:
+        got = hasher(path)
+    except OSError as err:
+        raise layout.unreadable(path, err) from err
     if got["size"] != expect.get("size"):
         raise layout.CheckpointError(f"{path}: size {got['size']} != {expect.get('size')} in the manifest "
                                      "(truncated or overwritten)")
@@ -424,14 +504,17 @@ def _trim_metrics(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(f"{line}\n" for line in keep))
 
 
-def check_dcp_metadata(path: Path) -> None:
+def check_dcp_metadata(path: Path, items: set[str] | None = None) -> None:
     """DCP's ``.metadata`` is a pickle that a consistent manifest does not make harmless: read it
-    with only DCP's own classes admitted; a refusal makes the checkpoint corrupt (skipped by
-    ``resume=auto``), never code that runs."""
+    with only DCP's own classes admitted, then check the items (each a torch.save zip) of the
+    files named in ``items`` (None: all) against safe_pickle's limits; a refusal makes the
+    checkpoint corrupt (skipped by ``resume=auto``), never code that runs."""
     from hpctrain.checkpoint import dcp_read
     from hpctrain.safe_pickle import UnsafePickleError
 
     try:
-        dcp_read.read_metadata(path)
+        dcp_read.check_items(path, dcp_read.read_metadata(path), items)
     except UnsafePickleError as err:
         raise layout.CheckpointError(str(err)) from err
+    except OSError as err:
+        raise layout.unreadable(Path(err.filename) if err.filename else path / ".metadata", err) from err

@@ -20,7 +20,8 @@ def add_parser(subparsers: Any) -> None:
     a.add_argument("run_dir")
     a.add_argument("--verify", action="store_true", help="also check every file's size and checksum")
     a.set_defaults(func=cmd_list)
-    a = actions.add_parser("verify", help="check sizes and checksums; exit 1 on any corruption")
+    a = actions.add_parser("verify", help="check sizes, checksums and what the pickles may hold; exit 1 on any "
+                                          "corrupt file, 2 on a crafted one; unreadable: 2 (permissions) or 1 (I/O)")
     a.add_argument("path", help="a checkpoint directory, or a run directory (all its checkpoints)")
     a.set_defaults(func=cmd_verify)
     a = actions.add_parser("export", help="consolidated model weights as .pt or .safetensors")
@@ -54,7 +55,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for step, path in entries:
         m = layout.read_manifest(path)
         size = sum(f["size"] for f in m["files"].values()) / 1e6
-        status = ("ok" if not layout.verify(path) else "CORRUPT") if args.verify else "committed"
+        status = _verify_one(path)[0] if args.verify else "committed"
         mark = "  best" if step == best else ""
         print(f"{path.name:<16} {step:>9} {m.get('epoch', '?'):>6} {m.get('world_size', '?'):>5} {size:>9.1f}  "
               f"{m.get('created', '?'):<20} {status}{mark}")
@@ -67,32 +68,56 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"hpctrain ckpt verify: error: {args.path} holds no committed checkpoint; hint: give a checkpoint "
               "or run directory (`hpctrain ckpt list RUN_DIR`)", file=sys.stderr)
         return 2  # wrong input; 1 means a checkpoint is corrupt
-    bad = 0
-    refused = 0
+    code = 0
     for path in targets:
-        problems = layout.verify(path)
-        unsafe = [] if problems else _unsafe_contents(path)
-        bad, refused = bad + bool(problems), refused + bool(unsafe)
-        print(f"{path}: {'CORRUPT' if problems else 'REFUSED' if unsafe else 'ok'}")
-        for problem in problems + unsafe:
+        status, problems, exit_code = _verify_one(path)
+        code = max(code, exit_code)
+        print(f"{path}: {status}")
+        for problem in problems:
             print(f"  {problem}")
-    return 2 if refused else 1 if bad else 0
+    return code
+
+
+def _verify_one(path: Path) -> tuple[str, list[str], int]:
+    """(ok | CORRUPT | UNREADABLE | REFUSED, problems, exit code) of one checkpoint."""
+    try:
+        problems = layout.verify(path)
+        if problems:
+            return "CORRUPT", problems, 1
+        unsafe = _unsafe_contents(path)
+    except layout.UnreadableCheckpointError as err:  # not corrupt: its permissions or its disk are the problem
+        return "UNREADABLE", [str(err)], err.exit_code
+    return ("REFUSED", unsafe, 2) if unsafe else ("ok", [], 0)
 
 
 def _unsafe_contents(path: Path) -> list[str]:
     """Checksums cannot tell a crafted file from a real one (whoever wrote it can rewrite the
-    manifest): a DCP checkpoint's pickled metadata is read with only DCP's classes admitted."""
+    manifest): every pickle a resume would load is checked as the resume checks it: each
+    torch.save file against safe_pickle's limits (nesting, size, zip bomb; no torch needed),
+    a DCP checkpoint's metadata with only DCP's classes admitted, and its items."""
     from hpctrain.checkpoint.state import SHARDED_DIR
+    from hpctrain.safe_pickle import UnsafePickleError, check_torch_archive
 
-    if layout.read_manifest(path).get("format") != "dcp":
-        return []
-    from hpctrain.checkpoint.checkpointer import check_dcp_metadata
+    manifest = layout.read_manifest(path)
+    problems = []
+    for name in sorted(n for n in manifest["files"] if "/" not in n and n.endswith(".pt")):  # skeleton, per rank
+        try:
+            with open(path / name, "rb") as fh:
+                check_torch_archive(fh, str(path / name))
+        except UnsafePickleError as err:
+            problems.append(str(err))
+        except OSError as err:
+            raise layout.unreadable(path / name, err) from err
+    if manifest.get("format") == "dcp":
+        from hpctrain.checkpoint.checkpointer import check_dcp_metadata
 
-    try:
-        check_dcp_metadata(path / SHARDED_DIR)
-    except layout.CheckpointError as err:
-        return [str(err)]
-    return []
+        try:
+            check_dcp_metadata(path / SHARDED_DIR)
+        except layout.UnreadableCheckpointError:
+            raise
+        except layout.CheckpointError as err:
+            problems.append(str(err))
+    return problems
 
 
 def cmd_export(args: argparse.Namespace) -> int:

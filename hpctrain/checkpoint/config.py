@@ -6,8 +6,11 @@ import signal
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.checkpoint.policy import SIGNALS
 from hpctrain.section import ConfigError, at_least, opt, positive
+
+# What checkpoint.signals may name. SIGHUP too: NCCL and other libraries may install their own SIGUSR1
+# handlers (why submitit moved to SIGHUP), and some sites reserve SIGUSR1 (docs/cluster.md).
+SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGTERM", "SIGINT")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +27,7 @@ class CheckpointConfig:
     stagger_seconds: float = opt(0.0, "Two-tier: node k waits k x this before copying to the shared file system.")
     keep_last: int = opt(3, "Keep the newest K committed checkpoints (>= 1).")
     keep_every: int | None = opt(None, "Also keep every checkpoint whose step is a multiple of M.")
-    signals: list[str] = opt(["SIGUSR1", "SIGTERM"], "Signals that request save-and-exit (preemption): any of SIGUSR1, SIGUSR2, SIGTERM, SIGINT.")
+    signals: list[str] = opt(["SIGUSR1", "SIGTERM"], "Signals that request save-and-exit (preemption): any of SIGUSR1, SIGUSR2, SIGHUP, SIGTERM, SIGINT (`hpctrain slurm --signal` sets it to match).")
     signal_check_every: int = opt(1, "Steps between the all-reduce that agrees on a signal / wall-clock save (multi-rank only).")
 
     def __post_init__(self) -> None:

@@ -6,10 +6,18 @@ manifest (names, sizes, checksums, world size, step, versions) is written last, 
 directory is renamed to its final name and the parent directory is fsynced. A
 ``step-*`` directory therefore always holds a complete checkpoint, and resume only
 considers those whose manifest checks out.
+
+What a killed save leaves (``.partial-*`` directories, ``.NAME.tmp-PID`` files) is removed at the
+next start, by name, with a log line; a ``step-*`` directory without a manifest (a partial copy,
+a deleted manifest) that is in the way of a save is kept as ``uncommitted-step-*``. A file that
+exists but cannot be read (permissions, I/O error) raises :class:`UnreadableCheckpointError`:
+it is never called corrupt, never skipped, never deleted.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import logging
 import os
@@ -23,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from hpctrain._version import __version__
-from hpctrain.errors import RunError, UserError
+from hpctrain.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, RunError, UserError
 from hpctrain.rundir import atomic_write_text, replace_durably
 
 log = logging.getLogger("hpctrain")
@@ -37,10 +45,36 @@ BEST_FILE = "best.json"
 DIGEST = "sha256_tree"
 CHECKSUM_DOC = f"{DIGEST}: sha256 of the concatenated sha256 digests of the file's consecutive 64 MiB pieces"
 _NAME = re.compile(r"^step-(\d{9,})$")
+_STEP_IN_NAME = re.compile(r"step-(\d{9,})$")  # step-N, .partial-step-N, superseded-step-N
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")  # rundir.atomic_open's temporary files
+UNCOMMITTED_PREFIX = "uncommitted-"
 
 
 class CheckpointError(RunError):
     """A checkpoint cannot be written or read; the message names the file and a hint."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint's file or directory exists but cannot be read: not corrupt, so never
+    skipped and never suggested for deletion. Exit 2 where the path is the problem (permission
+    denied, a file where a folder belongs), 1 where the storage is (an I/O error)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_RUN_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+_PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
+
+
+def unreadable(path: Path, err: OSError, what: str = "read") -> UnreadableCheckpointError:
+    """The error for an OSError met while reading ``path`` (names it, suggests no deletion)."""
+    reason = err.strerror or str(err)
+    code = EXIT_USER_ERROR if err.errno in _PATH_ERRNOS else EXIT_RUN_FAILED
+    return UnreadableCheckpointError(
+        f"{path} cannot be {what} ({reason}): unreadable here, which says nothing about its contents; it was left "
+        "as it is; "
+        f"hint: check its permissions (`ls -ld {path}`) and the file system, then start again", code)
 
 
 class NoCheckpointError(UserError, CheckpointError):
@@ -133,7 +167,10 @@ def versions() -> dict[str, str]:
 
 
 def commit(partial: Path, final: Path, files: dict[str, dict[str, Any]], info: dict[str, Any]) -> None:
-    """Write the manifest last, then rename ``partial`` to ``final`` and fsync the parent."""
+    """Write the manifest last, then rename ``partial`` to ``final`` and fsync the parent. A
+    ``final`` without a manifest (never committed, or its manifest deleted) is moved aside."""
+    if final.exists() and not (final / MANIFEST).is_file():
+        move_aside(final, UNCOMMITTED_PREFIX, "it has no manifest: never committed, or a partial copy")
     if final.exists():
         raise CheckpointError(f"checkpoint {final} already exists; hint: two runs share run.dir, "
                               "or the step counter went back")
@@ -143,12 +180,65 @@ def commit(partial: Path, final: Path, files: dict[str, dict[str, Any]], info: d
     replace_durably(partial, final)
 
 
+def move_aside(path: Path, prefix: str, why: str) -> Path:
+    """Rename ``path`` to ``PREFIX + its name`` (``.2``, ``.3``, ... when taken), logged; nothing is
+    deleted. Raises CheckpointError when the rename fails."""
+    target = path.with_name(f"{prefix}{path.name}")
+    for n in range(2, 10_000):
+        if not target.exists():
+            break
+        target = path.with_name(f"{prefix}{path.name}.{n}")
+    try:
+        replace_durably(path, target)
+    except OSError as err:
+        raise CheckpointError(f"{path} is in the way ({why}) and cannot be moved aside to {target.name}: "
+                              f"{err.strerror or err}; hint: check the permissions of {path.parent}") from err
+    log.warning("checkpoint: %s is in the way (%s): kept as %s", path, why, target.name)
+    return target
+
+
 def remove_partials(root: Path) -> None:
-    """Leftovers of a crashed save are never loaded; clear them so names can be reused."""
+    """Leftovers of a crashed save are never loaded; clear them (logged) so names can be reused."""
     if not root.is_dir():
         return
     for path in root.glob(f"{PARTIAL_PREFIX}*"):
-        _remove_tree(path)
+        if _remove_tree(path):
+            log.info("checkpoint: removed %s, left by an interrupted save", path)
+
+
+def remove_stale_temps(folder: Path, name: str) -> None:
+    """The ``.NAME.tmp-PID`` files (hpctrain's atomic writers') of ``folder/name`` whose process
+    is gone (killed mid-write), logged."""
+    try:
+        paths = list(Path(folder).glob(f".{glob.escape(name)}.tmp-*"))
+    except OSError:  # an unreadable folder is reported by whoever needs it
+        return
+    for path in paths:
+        match = _TEMP.match(path.name)
+        if match is None or _alive(int(match["pid"])) or not path.is_file():
+            continue
+        try:
+            path.unlink()
+            log.info("removed %s, left by a write that was interrupted", path)
+        except OSError as err:
+            log.warning("could not remove %s, left by an interrupted write (%s)", path, err.strerror or err)
+
+
+def _alive(pid: int) -> bool:
+    """Is ``pid`` a running process on this host (its temporary file may still be written)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def step_in_name(path: Path) -> int | None:
+    """The step of ``step-N``, ``.partial-step-N`` and the like."""
+    match = _STEP_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else None
 
 
 def _remove_tree(path: Path) -> bool:
@@ -180,41 +270,60 @@ def read_manifest(path: Path) -> dict[str, Any]:
         data = json.loads(file.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing: {path} is not a committed checkpoint") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{file} cannot be read ({err})") from None
+    except OSError as err:
+        raise unreadable(file, err) from None
+    except ValueError as err:
+        raise CheckpointError(f"{file} is not valid JSON ({err}) (corrupted)") from None
     if not isinstance(data, dict) or "files" not in data:
         raise CheckpointError(f"{file} is not an hpctrain checkpoint manifest (no 'files')")
     return data
 
 
 def verify(path: Path, hasher: Callable[[Path], dict[str, Any]] = hash_file) -> list[str]:
-    """Problems with a checkpoint directory (empty list = intact)."""
+    """Problems with a checkpoint directory (empty list = intact). A file that exists but cannot
+    be read raises :class:`UnreadableCheckpointError` instead: that is no proof of corruption."""
     path = Path(path)
     try:
         manifest = read_manifest(path)
+    except UnreadableCheckpointError:
+        raise
     except CheckpointError as err:
         return [str(err)]
     problems = []
     for name, entry in sorted(manifest["files"].items()):
         file = path / name
-        if not file.is_file():
-            problems.append(f"{file}: missing")
-            continue
-        size = file.stat().st_size
-        if size != entry["size"]:
-            problems.append(f"{file}: size {size} != {entry['size']} in the manifest (truncated or overwritten)")
-            continue
-        if hasher(file)[DIGEST] != entry.get(DIGEST):
-            problems.append(f"{file}: checksum ({DIGEST}) does not match the manifest (corrupted)")
+        try:
+            problem = _check_file(file, entry, hasher)
+        except OSError as err:
+            raise unreadable(file, err) from None
+        if problem:
+            problems.append(problem)
     return problems
 
 
+def _check_file(file: Path, entry: dict[str, Any], hasher: Callable[[Path], dict[str, Any]]) -> str | None:
+    if not file.exists():
+        return f"{file}: missing"
+    if not file.is_file():
+        return f"{file}: not a file"
+    size = file.stat().st_size
+    if size != entry["size"]:
+        return f"{file}: size {size} != {entry['size']} in the manifest (truncated or overwritten)"
+    if hasher(file)[DIGEST] != entry.get(DIGEST):
+        return f"{file}: checksum ({DIGEST}) does not match the manifest (corrupted)"
+    return None
+
+
 def committed(root: Path) -> list[tuple[int, Path]]:
-    """Committed checkpoint directories under ``root``, oldest first (not yet verified)."""
-    if not Path(root).is_dir():
-        return []
-    found = [(step_of(p), p) for p in Path(root).iterdir() if p.is_dir()]
-    return sorted((s, p) for s, p in found if s is not None and (p / MANIFEST).is_file())
+    """Committed checkpoint directories under ``root``, oldest first (not yet verified). An
+    unreadable ``root`` raises :class:`UnreadableCheckpointError`."""
+    try:
+        if not Path(root).is_dir():
+            return []
+        found = [(step_of(p), p) for p in Path(root).iterdir() if p.is_dir()]
+        return sorted((s, p) for s, p in found if s is not None and (p / MANIFEST).is_file())
+    except OSError as err:
+        raise unreadable(Path(root), err, "listed") from None
 
 
 def newest_valid(root: Path) -> Found | None:

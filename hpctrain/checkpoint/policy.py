@@ -11,7 +11,6 @@ import math
 import time
 from typing import Any
 
-SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT")
 # Before the first save is measured, assume this write speed to estimate its cost.
 _ASSUMED_BYTES_PER_S = 500e6
 

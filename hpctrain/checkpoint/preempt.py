@@ -10,24 +10,78 @@ and the exit code, so a batch script can requeue only a preempted run:
 * exit 3 (:data:`EXIT_PREEMPTED`), ``{"outcome": "preempted"}``: a checkpoint was
   committed; run the same command again (resume=auto continues);
 * any other exit, ``{"outcome": "failed"}`` or ``"running"`` (killed): an error or a crash.
+
+A preemption signal never ends a process of the run by its default action, whenever it
+comes: :func:`keep_signals`, first thing in a rank's (and the launcher's) main, records it
+from before torch's import (seconds) to the process's exit. One that came during start-up
+is taken over by the trainer's :class:`SignalFlag` and honoured after the first step; one
+after the save (Slurm's warning twice, the warning plus an admin's signal) is recorded
+and changes nothing: the process still ends with 3. torch is imported lazily here so that
+the keeping can start before it.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
+import os
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import EXIT_PREEMPTED
 
 STATUS = "status.json"
+# A signal the launcher kept before its ranks existed: they inherit its name and honour it.
+RELAY_ENV = "HPCTRAIN_PREEMPTED_BY"
+log = logging.getLogger("hpctrain")
+_kept: int | None = None  # the first preemption signal keep_signals recorded and no SignalFlag took over yet
+
+
+def signal_names(checkpoint: Any) -> list[str]:
+    """The preemption signals of a ``checkpoint`` config section: none without checkpoints
+    (nothing could be saved; a signal then keeps its default action)."""
+    return list(checkpoint.signals) if checkpoint.enabled else []
+
+
+def start_up_signals(checkpoint: Any) -> list[str]:
+    """What a rank keeps from its start: its preemption signals but SIGTERM. torch's agent
+    stops the other ranks with SIGTERM when one fails to start; kept, that would leave them
+    waiting for the dead one in the rendezvous (until --shutdown-timeout), and a rank that
+    has not trained yet loses nothing by ending."""
+    return [name for name in signal_names(checkpoint) if name != "SIGTERM"]
+
+
+def keep_signals(names: Iterable[str]) -> None:
+    """For the rest of this process, the preemption signals ``names`` are only recorded
+    (never their default action, which would end the process by the signal: 138, 143)."""
+    global _kept
+    relayed = signal.Signals.__members__.get(os.environ.pop(RELAY_ENV, ""))
+    if relayed is not None and _kept is None:
+        _kept = relayed
+    kept = [getattr(signal, name) for name in names]
+    for sig in kept:
+        signal.signal(sig, _record)
+    # Python's own exit puts back the default action for every signal it handles (a signal then,
+    # while torch's atexit hooks run, would still end the process by it); an ignored one stays ignored
+    atexit.register(_ignore, kept)
+
+
+def _ignore(signals: list[int]) -> None:
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _record(signum: int, frame: FrameType | None) -> None:
+    global _kept
+    if _kept is None:
+        _kept = signum
+        os.environ[RELAY_ENV] = signal.Signals(signum).name  # ranks the launcher starts after this inherit it
 
 
 class SignalFlag:
@@ -43,10 +97,20 @@ class SignalFlag:
         return self.received is not None
 
     def install(self) -> None:
+        """Handle the signals; one that :func:`keep_signals` recorded since the process
+        started counts as received (honoured at the first step boundary)."""
+        global _kept
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        kept = _kept
+        if kept is not None and kept in self.signals and self.received is None:
+            self.received, _kept = kept, None
+            log.warning("%s arrived during start-up: saving after the first step, then exit %d",
+                        signal.Signals(kept).name, EXIT_PREEMPTED)
 
     def uninstall(self) -> None:
+        """Put back what was there: in a rank, keep_signals' recorder (a late signal then
+        changes nothing); in a program that called train(), its own handlers."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
@@ -62,8 +126,12 @@ class Agreement:
     ``every`` steps (a signal then waits at most that many steps)."""
 
     def __init__(self, env: ClusterEnv, group: Any, every: int = 1) -> None:
+        import torch
+        import torch.distributed as dist
+
         self.distributed, self.group, self.every = env.distributed and dist.is_initialized(), group, every
         self._buf = torch.zeros(2, dtype=torch.int32)
+        self._all_reduce, self._max = dist.all_reduce, dist.ReduceOp.MAX
 
     def __call__(self, step: int, signal_seen: bool, timer_due: bool) -> tuple[bool, bool]:
         if not self.distributed:
@@ -71,7 +139,7 @@ class Agreement:
         if step % self.every:
             return False, False
         self._buf[0], self._buf[1] = int(signal_seen), int(timer_due)
-        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
+        self._all_reduce(self._buf, op=self._max, group=self.group)
         return bool(self._buf[0]), bool(self._buf[1])
 
 

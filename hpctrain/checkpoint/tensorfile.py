@@ -430,7 +430,7 @@ def _pread(fd: int, buf: mmap.mmap, offset: int, path: Path) -> int:
         return os.preadv(fd, [buf], offset)
     except OSError as err:
         if err.errno != errno.EINVAL:  # O_DIRECT accepted at open but not for this read
-            raise TensorFileError(f"{path} cannot be read ({err})") from err
+            raise  # an I/O error, not corruption: the caller names the file (unreadable)
     buffered = os.open(path, os.O_RDONLY)
     try:
         return os.preadv(buffered, [buf], offset)

@@ -11,12 +11,15 @@ Every save is two phases:
 
 sync: both phases in the caller. async: the state is copied into reused CPU buffers
 (the only stall), then both phases run in a background thread. two-tier: the write goes
-to ``checkpoint.local_dir`` and the copy + commit always run in the background.
+to ``checkpoint.local_dir`` and the copy + commit always run in the background; once
+committed, the node-local files are kept as ``step-N`` there (the newest only), which a
+restart on this node reads instead of the shared copy when they match the manifest.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
 import hashlib
 import logging
 import os
@@ -127,6 +130,7 @@ class _Written:
     files: dict[str, dict[str, Any]]
     where: Path            # the directory holding this rank's files
     error: str | None = None
+    failed_in: str | None = None  # the directory the error happened in (for the hint)
 
 
 @dataclass
@@ -216,7 +220,7 @@ class CheckpointWriter:
             target.mkdir(parents=True, exist_ok=True)
             return _Written(write_files(snap, target, self.env, self.group), target)
         except Exception as err:  # reported to every rank in _commit, raised there
-            return _Written({}, target, f"rank {self.env.rank}: {type(err).__name__}: {err}")
+            return _Written({}, target, f"rank {self.env.rank}: {type(err).__name__}: {err}", str(target.parent))
 
     def _target(self, step: int) -> Path:
         base = self.local if self.local is not None else self.root
@@ -227,20 +231,41 @@ class CheckpointWriter:
         partial = layout.partial_dir(self.root, snap.step)
         if written.error is None and self.local is not None:
             written = self._copy_to_shared(written, partial)
-        results = _gather((written.files, written.error), self.group, self.env)
-        errors = [err for _, err in results if err]
+        results = _gather((written.files, written.error, written.failed_in), self.group, self.env)
+        errors = [err for _, err, _ in results if err]
         outcome = None if errors else self._finish(partial, final, results, snap, time.perf_counter() - start)
         outcomes = _gather(outcome, self.group, self.env)
         failure = errors or [o for o in outcomes if o]
         if failure:
-            if self.env.is_main:
-                _discard(partial)
+            self._discard_failed(partial, written)
             raise layout.CheckpointError(
                 f"checkpoint {final} was not saved ({'; '.join(failure)}); the previous checkpoint "
-                f"{self.last_committed or '(none)'} is intact; hint: check free space and permissions of {self.root}")
+                f"{self.last_committed or '(none)'} is intact; hint: check free space and permissions of "
+                f"{self._where([where for _, _, where in results if where] or [str(self.root)])}")
+        if self.local is not None and self.env.local_rank == 0:  # every rank of the node has copied its files
+            _keep_local_copy(self.local, written.where, snap.step)
         self.last_committed = final
         self.last.total_s = time.perf_counter() - start
         return final
+
+    def _discard_failed(self, partial: Path, written: _Written) -> None:
+        """After a failed save: the shared partial (rank 0) and this node's local one (its first
+        rank; every rank of the node is past writing) are removed, so neither tier fills up."""
+        if self.env.is_main:
+            _discard(partial)
+        if self.local is not None and self.env.local_rank == 0:
+            _discard(written.where)
+
+    def _where(self, folders: list[str]) -> str:
+        """The folders a save failed in, the node-local tier named as such."""
+        local = str(self.local) if self.local is not None else None
+        return " and ".join(f"{f} (checkpoint.local_dir, on the failing rank's node)" if f == local else f
+                            for f in sorted(set(folders)))
+
+    def remove_local_leftovers(self) -> None:
+        """At start (the first rank of each node): what killed saves left in the node-local tier."""
+        if self.local is not None:
+            layout.remove_partials(self.local)
 
     def _finish(self, partial: Path, final: Path, results: list[Any], snap: Snapshot, save_s: float) -> str | None:
         """Rank 0: manifest, rename, retention. Returns an error text or None. ``save_s`` (the
@@ -248,7 +273,7 @@ class CheckpointWriter:
         if not self.env.is_main:
             return None
         files: dict[str, dict[str, Any]] = {}
-        for rank_files, _ in results:
+        for rank_files, _, _ in results:
             files.update(rank_files)
         try:
             layout.commit(partial, final, files, {**snap.info, "save_s": round(save_s, 3)})
@@ -267,10 +292,10 @@ class CheckpointWriter:
                 copied = _copy_file(written.where / name, partial / name)
                 if copied[tensorfile.DIGEST] != entry[tensorfile.DIGEST]:
                     raise layout.CheckpointError(f"{partial / name}: copy differs from {written.where / name}")
-            _prune_local(self.local, written.where)  # type: ignore[arg-type]
             return written
         except Exception as err:
-            return replace(written, error=f"rank {self.env.rank}: copy to {partial}: {type(err).__name__}: {err}")
+            return replace(written, error=f"rank {self.env.rank}: copy to {partial}: {type(err).__name__}: {err}",
+                           failed_in=str(self.root))
 
 
 # ---------------------------------------------------------------- helpers
@@ -368,16 +393,43 @@ def _local_root(local_dir: str, shared_root: Path) -> Path:
     return Path(local_dir) / f"hpctrain-{key}"
 
 
-def _prune_local(local: Path, keep: Path) -> None:
-    """The node-local tier keeps only the newest copy (it exists to make saves fast)."""
-    for path in local.glob(f"{layout.PARTIAL_PREFIX}*"):
-        if path != keep:
-            shutil.rmtree(path, ignore_errors=True)
+def _keep_local_copy(local: Path, partial: Path, step: int) -> None:
+    """Two-tier, once step ``step`` is committed: its node-local files become ``local/step-N``
+    (read by a restart on this node, see checkpointer.Copies); older copies and partials go
+    (the tier exists to make saves and restarts fast, not to keep history). A newer step's
+    partial (another rank of this node already writing it) stays."""
+    final = local / layout.step_name(step)
+    try:  # the save is committed: nothing here may fail it
+        if final.exists():  # a stale copy (an earlier run at this path): the new one replaces it
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        older = [p for p in local.iterdir() if (other := layout.step_in_name(p)) is not None and other < step]
+    except OSError as err:
+        log.warning("checkpoint: could not keep the node-local copy %s (%s); a restart reads the shared copy",
+                    final, err.strerror or err)
+        return
+    for path in older:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def default_group(env: ClusterEnv) -> Any:
     """A gloo group only for checkpoint coordination: its collectives may run in the
-    writer thread without interleaving with the training loop's."""
+    writer thread without interleaving with the training loop's. Its timeout is the main
+    group's (``parallel.init_timeout_s`` under hpctrain), not torch's 30-minute default: a
+    rank that died mid-save fails the others as soon as a training collective would."""
     if not env.distributed or not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=job_timeout())
+
+
+def job_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout (None: torch's default, where it cannot be read)."""
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):  # the backend of a gloo group, then of an NCCL one
+        try:
+            timeout = world._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None

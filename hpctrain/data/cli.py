@@ -13,7 +13,7 @@ from hpctrain.data.indexing import index_existing
 from hpctrain.data.manifest import summarize
 from hpctrain.data.pack import DEFAULT_SEQ_LEN, VAL_FRACTION, PackOptions
 from hpctrain.data.sources import open_source, pack_choices, pack_source
-from hpctrain.data.verify import verify
+from hpctrain.data.verify import Problem, unlisted_shards, verify
 from hpctrain.data.writer import parse_size, write_shards
 
 
@@ -37,26 +37,29 @@ def cmd_shard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _splits(root: Path, split: str | None) -> list[str]:
+def _splits(root: Path, split: str | None, unlisted: list[Problem]) -> list[str]:
     if split:
         return [split]
     found = sorted(p.name[: -len(".manifest.json")] for p in root.glob("*.manifest.json"))
-    if not found:
+    if not found and not unlisted:
         raise ShardError(f"{root} holds no *.manifest.json; hint: hpctrain data shard SOURCE {root}")
     return found
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     root = Path(args.out_dir)
+    unlisted = [] if args.split else unlisted_shards(root)  # shards whose manifest is gone fail too
     bad = 0
-    for split in _splits(root, args.split):
+    for split in _splits(root, args.split, unlisted):
         problems = verify(root, split, deep=not args.quick)
         for p in problems:
             print(f"FAIL {split}: {p}", file=sys.stderr)
         bad += len(problems)
         if not problems:
             print(f"ok   {split}: every shard matches the manifest and its index")
-    return 1 if bad else 0
+    for p in unlisted:
+        print(f"FAIL {p}", file=sys.stderr)
+    return 1 if bad or unlisted else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -15,3 +15,7 @@ class ShardError(UserError):
 
 class CorruptSampleError(RunError):
     """A sample's bytes do not match the index (truncated shard, flipped byte, bad encoding)."""
+
+
+class DataFormatError(UserError):
+    """A data file is not of the kind its source reads (a random file as MNIST); the message names it."""

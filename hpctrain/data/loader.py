@@ -30,14 +30,22 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from hpctrain.data.batch import Batch, pass_batch
 from hpctrain.data.errors import CorruptSampleError, ShardError
-from hpctrain.data.manifest import IMAGE_EXTS, INPUT_EXTS, LABEL_EXTS, data_dir, load_index, load_manifest
+from hpctrain.data.manifest import (
+    IMAGE_EXTS,
+    INPUT_EXTS,
+    LABEL_EXTS,
+    data_dir,
+    load_index,
+    load_manifest,
+    manifest_path,
+)
 from hpctrain.data.memory import rank_slice  # one split rule for every evaluation loader
 from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
+from hpctrain.errors import HpctrainError, UserError
 
 log = logging.getLogger("hpctrain")
 
@@ -130,6 +138,7 @@ class ShardIndex:
         self.fields: list[str] = list(self.manifest["fields"])
         self.decode: dict[str, Any] = self.manifest.get("decode") or {}
         self.classes: list[str] = list(self.manifest.get("classes") or [])
+        self._check_present()
         indexes = [load_index(root, s) for s in self.shards]
         self.sizes = [len(ix["keys"]) for ix in indexes]
         self.keys: list[str] = [k for ix in indexes for k in ix["keys"]]
@@ -143,12 +152,21 @@ class ShardIndex:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def _check_present(self) -> None:
+        """A shard the manifest lists but the directory lacks is missing input (not a truncated one)."""
+        missing = [s["name"] for s in self.shards if not (self.data_root / s["name"]).is_file()]
+        if missing:
+            shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+            manifest = manifest_path(self.root, self.split)
+            raise ShardError(f"{len(missing)} of the {len(self.shards)} shards that {manifest} lists are missing from "
+                             f"{self.data_root}: {shown}; hint: copy them back (or stage the data again), then check "
+                             f"with `hpctrain data verify {self.root}`")
+
     def truncated(self) -> list[tuple[str, str]]:
         """(shard, first sample key past the end) for each shard shorter than its index says."""
         out, first = [], 0
         for shard, count in zip(self.shards, self.sizes):
-            path = self.data_root / shard["name"]
-            size = path.stat().st_size if path.is_file() else 0
+            size = (self.data_root / shard["name"]).stat().st_size
             ends = self.start[first : first + count] + self.length[first : first + count]
             beyond = np.nonzero(ends > size)[0]
             if len(beyond):
@@ -315,7 +333,18 @@ class ShardDataset(Dataset):
             log.warning("skipping a bad sample: %s", err)
             return None
 
-    def __getitems__(self, ids: list[int]) -> Batch:
+    def __getitems__(self, ids: list[int]) -> Batch | WorkerError:
+        """The batch; in a DataLoader worker, an hpctrain error is returned, not raised: DataLoader
+        would re-raise it in the main process with the worker's traceback as its message."""
+        if get_worker_info() is None:
+            return self.batch(ids)
+        try:
+            return self.batch(ids)
+        except HpctrainError as err:
+            return WorkerError(err)
+
+    def batch(self, ids: list[int]) -> Batch:
+        """The samples ``ids`` (PAD: a masked padding slot) as one :class:`Batch`."""
         real = sorted({g for g in ids if g != PAD}, key=lambda g: (self.index.shard_of[g], self.index.start[g]))
         samples = {g: self._read_or_skip(g) for g in real}  # file order within the batch
         rows = [self._convert(samples.get(g)) for g in ids]
@@ -377,7 +406,23 @@ class ShardDataset(Dataset):
 
     def sample_shape(self) -> tuple[int, ...]:
         """The shape of one decoded input (from the first sample)."""
-        return tuple(self.__getitems__([0]).inputs.shape[1:])
+        return tuple(self.batch([0]).inputs.shape[1:])
+
+
+class WorkerError:
+    """An hpctrain error raised in a DataLoader worker, carried to the main process as a batch
+    (it pickles: its message is its only argument) and raised there by :func:`raise_worker_errors`."""
+
+    def __init__(self, error: HpctrainError) -> None:
+        self.error = error
+
+
+def raise_worker_errors(batches: Iterator[Batch | WorkerError]) -> Iterator[Batch]:
+    """A DataLoader's batches; a worker's error is raised here as itself: one line, no traceback."""
+    for batch in batches:
+        if isinstance(batch, WorkerError):
+            raise batch.error
+        yield batch
 
 
 def _first_input(fields: list[str]) -> str:
@@ -479,7 +524,7 @@ class ShardedLoader:
     def __iter__(self) -> Iterator[Batch]:
         self._start_position, self._start_done = self.position, self.batches_done
         self._sampler.batches = rank_plan(self.order(), self._start_position, self.batch_size, self.env, self.drop_last)
-        for batch in self._loader:
+        for batch in raise_worker_errors(iter(self._loader)):
             self.batches_done += 1
             self._count_skipped(batch)
             yield batch
@@ -547,8 +592,8 @@ class ShardedEvalLoader:
         return -(-len(self.ids) // self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
-        return iter(self._loader)
+        return raise_worker_errors(iter(self._loader))
 
     def template(self) -> Batch:
         """A one-sample batch of the right shape, for masked padding steps."""
-        return self.dataset.__getitems__([0])
+        return self.dataset.batch([0])

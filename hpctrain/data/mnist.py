@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import struct
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,8 +21,9 @@ import torch
 from hpctrain import safe_pickle
 from hpctrain.data.batch import ArrayDataset
 from hpctrain.data.config import SPLITS, check_split
-from hpctrain.data.errors import DataMissingError
+from hpctrain.data.errors import DataFormatError, DataMissingError
 from hpctrain.data.pack import DEFAULT_PACK, PackOptions, PackSource, labelled_samples, png_bytes
+from hpctrain.errors import io_error
 
 if TYPE_CHECKING:
     from hpctrain.data.config import DataConfig
@@ -59,15 +61,25 @@ def _mnist_arrays(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray]
     """(images as pixel/256 float32, labels) of a split, as the pickle stores them."""
     check_split(split)
     file = mnist_file(path)
-    with gzip.open(file, "rb") as fh:
-        # numpy arrays only: a data file handed over by someone else must never run code
-        parts = safe_pickle.load(fh, safe_pickle.numpy_arrays_allowed, f"MNIST pickle {file}", encoding="latin1")
     try:
-        images, labels = parts[SPLITS.index(split)]
+        with gzip.open(file, "rb") as fh:
+            # numpy arrays only: a data file handed over by someone else must never run code
+            parts = safe_pickle.load(fh, safe_pickle.numpy_arrays_allowed, f"MNIST pickle {file}", encoding="latin1")
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # a random file, another archive, a cut download
+        raise DataFormatError(f"data.path {file} is not MNIST's mnist.pkl.gz (not a complete gzip file: {err}); "
+                              f"hint: point data.path at mnist.pkl.gz or its folder, or {MNIST_INSTALL_HINT}") from err
+    except OSError as err:
+        raise io_error("read MNIST from", file, err) from err
+    try:
+        images, labels = (np.asarray(a) for a in parts[SPLITS.index(split)])
     except (TypeError, IndexError, KeyError, ValueError) as err:
         raise safe_pickle.UnsafePickleError(f"MNIST pickle {file} does not hold the (train, val, test) pairs of "
                                             f"arrays of mnist.pkl.gz; hint: data.path names another file") from err
-    return np.asarray(images), np.asarray(labels)
+    if images.ndim < 2 or int(np.prod(images.shape[1:])) != 28 * 28 or labels.shape != (len(images),):
+        raise DataFormatError(f"MNIST pickle {file}: split {split} holds images of shape {images.shape} and "
+                              f"labels of shape {labels.shape}, not N x 784 pixels with N labels; hint: data.path "
+                              "names another file")
+    return images, labels
 
 
 def load_mnist(split: str, path: str | None = None) -> ArrayDataset:
@@ -99,13 +111,23 @@ def mnist_source(path: str, split: str, options: PackOptions = DEFAULT_PACK) -> 
 def read_idx(file: Path) -> np.ndarray:
     """Read an IDX file (optionally gzipped): magic, dims, then big-endian data."""
     opener = gzip.open if file.suffix == ".gz" else open
-    with opener(file, "rb") as fh:
-        data = fh.read()
-    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
-    if zero != 0 or dtype_code != 0x08:
-        raise ValueError(f"{file} is not an unsigned-byte IDX file (magic {data[:4].hex()})")
-    dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+    try:
+        with opener(file, "rb") as fh:
+            data = fh.read()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise DataFormatError(f"{file} is not a complete gzip file ({err}); hint: {FASHION_INSTALL_HINT}, "
+                              "or point data.path at the IDX files") from err
+    except OSError as err:
+        raise io_error("read", file, err) from err
+    try:
+        zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+        if zero != 0 or dtype_code != 0x08:
+            raise ValueError(f"magic {data[:4].hex()}")
+        dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+        return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+    except (struct.error, ValueError) as err:
+        raise DataFormatError(f"{file} is not an unsigned-byte IDX file ({err}); hint: point data.path at the "
+                              "Fashion-MNIST IDX files") from err
 
 
 def _find(root: Path, stem: str) -> Path:

@@ -3,6 +3,7 @@ every tar header at its indexed offset, and each sample's CRC-32; problems name 
 
 from __future__ import annotations
 
+import re
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -10,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.data.errors import ShardError
-from hpctrain.data.manifest import BLOCK, data_dir, file_sha256, load_index, load_manifest, split_key
+from hpctrain.data.manifest import BLOCK, data_dir, file_sha256, load_index, load_manifest, manifest_path, split_key
+
+_SHARD_NAME = re.compile(r"(?P<split>.+)-\d{6}\.tar")  # manifest.shard_name's pattern
 
 
 @dataclass
@@ -33,6 +36,30 @@ def verify(root: str | Path, split: str, *, deep: bool = True) -> list[Problem]:
     for shard in manifest["shards"]:
         problems += verify_shard(root, shard, deep=deep, tars=data_dir(root, manifest))
     return problems
+
+
+def unlisted_shards(root: str | Path) -> list[Problem]:
+    """Shards named like hpctrain's (``<split>-NNNNNN.tar``) in ``root`` whose split has no
+    manifest there: a deleted or lost manifest, one problem per split. Tars a manifest lists
+    (also foreign ones, indexed under any split name) are not reported."""
+    root = Path(root)
+    manifests = sorted(root.glob("*.manifest.json"))
+    listed = set()
+    for path in manifests:
+        try:
+            listed |= {s["name"] for s in load_manifest(root, path.name[: -len(".manifest.json")])["shards"]}
+        except (ShardError, KeyError, TypeError):
+            continue  # verify() reports a broken manifest itself
+    unlisted: dict[str, list[str]] = {}
+    for tar in sorted(root.glob("*.tar")):
+        match = _SHARD_NAME.fullmatch(tar.name)
+        if match and tar.name not in listed:
+            unlisted.setdefault(match["split"], []).append(tar.name)
+    return [Problem(names[0], None, f"{len(names)} shard(s) of split {split!r} but no manifest "
+                                    f"{manifest_path(root, split)}: the split cannot be checked or read; hint: restore "
+                                    f"{split}.manifest.json from where the shards came from, or write the split again "
+                                    f"with `hpctrain data shard SOURCE {root} --split {split}`")
+            for split, names in unlisted.items()]
 
 
 def verify_shard(root: Path, shard: dict[str, Any], *, deep: bool = True, tars: Path | None = None) -> list[Problem]:

@@ -8,19 +8,21 @@ complete. The layout and the read side: :mod:`hpctrain.data.manifest`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import tarfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpctrain.data.errors import ShardError
 from hpctrain.data.manifest import BLOCK, FORMAT, VERSION, index_name, manifest_path, padded, shard_name
+from hpctrain.errors import io_error
 from hpctrain.rundir import atomic_write_bytes, replace_durably
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
@@ -84,7 +86,8 @@ class ShardWriter:
             raise ShardError(f"shard limits must be positive (samples_per_shard={samples_per_shard}, "
                              f"max_bytes={max_bytes}, at least 2048 bytes)")
         self.root, self.split = Path(root), split
-        self.root.mkdir(parents=True, exist_ok=True)
+        with self._output():
+            self.root.mkdir(parents=True, exist_ok=True)
         self.samples_per_shard, self.max_bytes = samples_per_shard, max_bytes
         self.meta = dict(meta or {})
         self.fields: list[str] | None = None
@@ -108,9 +111,10 @@ class ShardWriter:
             raise ShardError(f"sample {key!r} has fields {list(fields)}, the first sample had {self.fields}; "
                              "hint: every sample of a split needs the same fields")
         data, layout = encode_sample(key, fields)
-        shard = self._shard_for(len(data))
-        start = shard.size
-        shard.write(data)
+        with self._output():
+            shard = self._shard_for(len(data))
+            start = shard.size
+            shard.write(data)
         shard.keys.append(key)
         shard.starts.append(start)
         shard.ends.append(shard.size)
@@ -150,19 +154,34 @@ class ShardWriter:
                           "index_sha256": hashlib.sha256(index_bytes).hexdigest()})
         self.current = None
 
+    @contextlib.contextmanager
+    def _output(self) -> Iterator[None]:
+        """An OSError of the output (read-only, no permission, disk full) names OUT_DIR; errors
+        reading the source are not caught here: they name the source where they happen."""
+        try:
+            yield
+        except OSError as err:
+            inside = err.filename is not None and Path(err.filename) != self.root
+            where = f"{self.root} ({Path(err.filename).name})" if inside else self.root
+            raise io_error("write shards into", where, err) from err
+
     def _abort(self) -> None:
         if self.current is not None:
-            self.current.fh.close()
-            self.current.tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a full disk fails the close too; the temporary file goes anyway
+                self.current.fh.close()
+            with contextlib.suppress(OSError):
+                self.current.tmp.unlink(missing_ok=True)
             self.current = None
 
     def close(self) -> dict[str, Any]:
-        self._finish_shard()
+        with self._output():
+            self._finish_shard()
         if not self.done:
             raise ShardError(f"no samples were written to {self.root} (split {self.split}); is the source empty?")
         manifest = {"format": FORMAT, "version": VERSION, "split": self.split, "fields": self.fields,
                     "total_samples": self.count, **self.meta, "shards": self.done}
-        atomic_write_bytes(manifest_path(self.root, self.split), json.dumps(manifest, indent=1).encode())
+        with self._output():
+            atomic_write_bytes(manifest_path(self.root, self.split), json.dumps(manifest, indent=1).encode())
         return manifest
 
 

@@ -11,12 +11,13 @@ import torch
 from hpctrain import env as cluster
 from hpctrain.config import Config
 from hpctrain.data import build_val_loader
-from hpctrain.errors import UserError, agree
+from hpctrain.errors import HpctrainError, UserError, agree
 from hpctrain.evaluation.evaluate import evaluate, write_predictions
 from hpctrain.models import build_model
 from hpctrain.precision import Precision
 from hpctrain.rundir import write_json
 from hpctrain.tasks import Task, resolve_task
+from hpctrain.weights.load import load_weights_file
 
 log = logging.getLogger("hpctrain")
 
@@ -33,7 +34,9 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     if not path.is_file():
         raise WeightsError(f"weights file {path} does not exist; hint: a run writes RUN_DIR/model.pt")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_weights_file(path)  # checked against the crafted-file limits before torch reads it
+    except HpctrainError:
+        raise
     except Exception as err:  # not a torch file, truncated, or pickled objects weights_only refuses
         raise WeightsError(f"weights file {path} cannot be loaded as a state dict ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''}); hint: pass a run's model.pt, or "

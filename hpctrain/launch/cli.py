@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import UserError
-from hpctrain.launch import DEFAULT_SHUTDOWN_TIMEOUT_S
+from hpctrain.launch import DEFAULT_HANG_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def add_parser(sub: Any) -> None:
@@ -35,14 +35,18 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--rdzv-id", help="job id shared by all nodes of the rendezvous")
     p.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="seconds the ranks get to save and exit after a forwarded signal before SIGKILL")
+    p.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S,
+                   help="seconds without progress before a rank counts as hung: stacks to RUN_DIR/hang-*/, "
+                        "then a restart or exit 4 (first step, validation and saves get 3x; 0: off)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="[train|eval] [CONFIG] [key=value ...] [--weights PATH]")
     p.set_defaults(func=cmd_run)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hpctrain.checkpoint.preempt import launcher_exit_code
+    from hpctrain.checkpoint.preempt import keep_signals, launcher_exit_code, signal_names
     from hpctrain.config import config_from_args
     from hpctrain.launch.local import launch
+    from hpctrain.rundir import resolve_run_dir
 
     rest = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     if not rest or rest[0] not in ("train", "eval"):
@@ -50,10 +54,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Fail here, once, not in N ranks: the ranks' command line checked by the CLI's own parser
     # (handed in by hpctrain.cli, which imports this module, not the other way round).
     cfg = config_from_args(args.parse_command(rest).config_args)
+    # launch() puts back what it found: this recorder, so a second preemption signal after the ranks'
+    # save (a repeated warning) cannot end the launcher with 138 before it reports their exit 3
+    keep_signals(signal_names(cfg.checkpoint))
     started = time.time()
     code = launch(args.nproc, rest, max_restarts=args.max_restarts, nnodes=args.nnodes, node_rank=args.node_rank,
                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, signals=cfg.checkpoint.signals,
-                  shutdown_timeout=args.shutdown_timeout)
+                  shutdown_timeout=args.shutdown_timeout, hang_timeout_s=args.hang_timeout,
+                  run_dir=resolve_run_dir(cfg.run.dir, cfg))
     return launcher_exit_code(cfg, code, started) if rest[0] == "train" else code
 
 
@@ -81,8 +89,13 @@ def _add_slurm(sub: Any) -> None:
     p.add_argument("--mount", action="append", default=[], help="extra host path for the container (repeatable)")
     p.add_argument("--setup", help="shell lines run first, e.g. 'module load cuda; source venv/bin/activate'")
     p.add_argument("--max-requeues", type=int, default=3, help="requeue a preempted run at most K times")
-    p.add_argument("--signal-lead", type=int, help="seconds before the time limit for USR1 (default: measured "
-                                                     "save time x 2 + 90, else 300)")
+    p.add_argument("--signal", default="USR1", help="preemption signal Slurm sends before the time limit: USR1 "
+                                                     "(default), USR2, HUP or TERM; the ranks' checkpoint.signals "
+                                                     "follow (docs/cluster.md: which to pick)")
+    p.add_argument("--signal-lead", type=int, help="seconds before the time limit for that signal (default: "
+                                                     "measured save time x 2 + one validation + 90, else 300)")
+    p.add_argument("--hang-timeout", type=float, help="passed to each node's `hpctrain run --hang-timeout` "
+                                                      "(default: its own)")
     p.add_argument("--python", help="interpreter in the job (default: this one; python3 in a container)")
     p.add_argument("--rdzv-port", type=int, help="c10d rendezvous port (default: 20000 + job id mod 20000)")
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE exported in the job (repeatable); "
@@ -116,7 +129,7 @@ def _slurm_write(args: argparse.Namespace) -> int:
         account=args.account, qos=args.qos, job_name=args.job_name, container=args.container,
         container_runtime=args.container_runtime, mounts=tuple(args.mount), setup=args.setup,
         max_requeues=args.max_requeues, signal_lead_s=args.signal_lead, python=args.python,
-        rdzv_port=args.rdzv_port, env=tuple(args.env))
+        rdzv_port=args.rdzv_port, env=tuple(args.env), signal=args.signal, hang_timeout_s=args.hang_timeout)
     plan = slurm.plan_job(opts, args.config_args)
     text = slurm.render(plan)
     if args.dry_run:

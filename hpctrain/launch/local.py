@@ -17,13 +17,16 @@ import logging
 import signal
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
+from hpctrain.errors import EXIT_HUNG
 from hpctrain.launch import DEFAULT_SHUTDOWN_TIMEOUT_S
+from hpctrain.launch.watchdog import watching
 
 # What torch handles by default, plus the usual preemption warnings.
 BASE_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -88,18 +91,29 @@ def install_early_handlers(names: Iterable[str]) -> dict[signal.Signals, Any]:
     return {sig: signal.signal(sig, _raise_signal) for sig in (getattr(signal, name) for name in names)}
 
 
-def launch(nproc: int, subcommand: list[str], **options: object) -> int:
+def launch(nproc: int, subcommand: list[str], *, hang_timeout_s: float = 0.0, run_dir: Path | None = None,
+           **options: object) -> int:
     """Run and wait; returns the exit code (non-zero if any rank failed after all restarts).
 
     A handled signal ends here as ``128 + signal`` once every rank has exited; the caller
-    turns it into 3 when the ranks committed their preemption save (status.json)."""
+    turns it into 3 when the ranks committed their preemption save (status.json). With
+    ``hang_timeout_s``, a watchdog ends (or restarts) ranks without progress; a job that
+    ends failed after it acted exits with :data:`EXIT_HUNG` (hpctrain.launch.watchdog)."""
     argv = torchrun_args(nproc, subcommand, **options)  # type: ignore[arg-type]
     previous = install_early_handlers(signals_to_handle(options.get("signals", ())))  # type: ignore[arg-type]
-    try:
-        return _run(argv)
-    finally:  # torch leaves its handlers installed; put back what the caller had
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    nnodes = int(str(options.get("nnodes", "1")).split(":")[-1])
+    rdzv_id = options.get("rdzv_id")
+    with watching(hang_timeout_s, run_dir or Path.cwd(), nnodes=nnodes,
+                  rdzv_id=rdzv_id if isinstance(rdzv_id, str) else None) as dog:
+        try:
+            code = _run(argv)
+        finally:  # torch leaves its handlers installed; put back what the caller had, at once (a
+            for sig, handler in previous.items():  # signal while the watchdog stops must not meet torch's)
+                signal.signal(sig, handler)
+    if code != 0 and dog is not None and dog.fired is not None:
+        print(f"hpctrain run: {dog.fired.line()}", file=sys.stderr)
+        return EXIT_HUNG
+    return code
 
 
 def _run(argv: list[str]) -> int:

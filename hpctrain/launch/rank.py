@@ -48,3 +48,12 @@ def die_with_launcher(environ: Mapping[str, str] | None = None) -> bool:
     if parent == 1 or os.getppid() != parent:  # the agent died before the request: nobody would see this rank
         os._exit(128 + int(signal.SIGKILL))
     return True
+
+
+def start_rank() -> None:
+    """First thing in a rank's ``train`` / ``eval``: end with the launcher, and show the
+    launcher's watchdog that start-up is under way (hpctrain.telemetry.heartbeat)."""
+    from hpctrain.telemetry import heartbeat
+
+    die_with_launcher()
+    heartbeat.from_env()

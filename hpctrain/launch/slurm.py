@@ -4,10 +4,12 @@ The script is rendered from validated options and a validated config into the ru
 directory, so the job, its logs (``--open-mode=append``: a requeue keeps them), its job id
 and its checkpoints live together. The chain it sets up on preemption:
 
-1. Slurm sends USR1 to the batch shell only (``--signal=B:USR1@T``, or
-   ``scancel --signal=USR1 --batch``);
-2. the shell's trap forwards it to the job step (srun passes it to every node's task);
-3. each node's ``hpctrain run`` hands it to its ranks through torch's elastic agent;
+1. Slurm sends the preemption signal SIG (``--signal``, default USR1) to the batch shell only
+   (``--signal=B:SIG@T``, or ``scancel --signal=SIG --batch``);
+2. the shell's trap forwards it to the job step: USR1/USR2 through srun, which passes them to
+   every node's task; HUP/TERM through ``scancel --signal`` (srun would turn those into SIGKILL);
+3. each node's ``hpctrain run`` hands it to its ranks through torch's elastic agent (their
+   ``checkpoint.signals`` include SIG: :func:`rank_signals`);
 4. the ranks agree at the next step, save one committed checkpoint, and exit 3;
 5. the shell, on the host, calls ``scontrol requeue`` only for exit 3 and fewer than K
    restarts; any other failure ends the job. The requeued job resumes (resume=auto).
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint import layout
+from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.errors import UserError
 from hpctrain.launch.container import Container, Runtime, unique_paths
 from hpctrain.rundir import atomic_write_text, check_run_dir, resolve_run_dir, write_json
@@ -37,6 +40,11 @@ JOBS_FILE = "slurm-jobs.json"
 DEFAULT_SIGNAL_LEAD_S = 300  # when no checkpoint of this run was timed yet
 SIGNAL_MARGIN_S = 90         # Slurm may deliver the warning ~30 s late; plus a step and the exit
 PASS_THROUGH = ("NCCL_", "GLOO_", "TORCH_NCCL_")
+SIGNALS = ("USR1", "USR2", "HUP", "TERM")  # what --signal may choose (docs/cluster.md: which to pick)
+DEFAULT_SIGNAL = "USR1"
+# srun forwards these to its tasks as they are; SIGHUP/SIGTERM/SIGQUIT it answers with SIGKILL to
+# every task ("forcing job termination"), so those go to the step through scancel instead.
+SRUN_PASSES = ("USR1", "USR2")
 _WORD = re.compile(r"^[\w.,:+=@/-]+$")
 # A path in an #SBATCH line: sbatch splits directives at blanks and reads quotes, and %x are
 # its filename patterns; a newline would start a new script line. None of these may occur.
@@ -70,6 +78,8 @@ class SlurmOptions:
     python: str | None = None
     rdzv_port: int | None = None
     env: tuple[str, ...] = ()
+    signal: str = DEFAULT_SIGNAL
+    hang_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +91,7 @@ class JobPlan:
     nproc: int
     time_s: int
     signal_lead_s: int
+    signal: str  # USR1, USR2, HUP or TERM
     run_dir: Path
     workdir: Path
     config_args: tuple[str, ...]
@@ -164,17 +175,46 @@ def _check_counts(opts: SlurmOptions) -> None:
         raise SlurmOptionError(f"--max-requeues {opts.max_requeues} must be >= 0")
     if opts.rdzv_port is not None and not 1024 <= opts.rdzv_port <= 65535:
         raise SlurmOptionError(f"--rdzv-port {opts.rdzv_port} must be within 1024..65535")
+    if opts.hang_timeout_s is not None and opts.hang_timeout_s < 0:
+        raise SlurmOptionError(f"--hang-timeout {opts.hang_timeout_s:g} must be >= 0 (0: no hang detection)")
     if bool(opts.container) != bool(opts.container_runtime):
         raise SlurmOptionError("--container and --container-runtime go together "
                                f"(got image={opts.container!r}, runtime={opts.container_runtime!r})")
 
 
+def preemption_signal(value: str) -> str:
+    """``--signal``: USR1, USR2, HUP or TERM (``SIGHUP`` and lower case accepted too)."""
+    name = value.strip().upper().removeprefix("SIG")
+    if name not in SIGNALS:
+        raise SlurmOptionError(f"--signal {value!r} is not one of {', '.join(SIGNALS)}; hint: HUP where USR1 is "
+                               "taken (NCCL and other libraries may handle it, or the site reserves it); "
+                               "see docs/cluster.md")
+    return name
+
+
+def rank_signals(sig: str, checkpoint: CheckpointConfig) -> tuple[str, ...]:
+    """The ``checkpoint.signals`` override the ranks need to save on ``sig``, if any. The default
+    list becomes [SIG, SIGTERM] (SIGTERM: Slurm's own signal at the time limit, and what torch's
+    agent sends the ranks when a second signal interrupts its shutdown); a list of the user's
+    own must already hold SIG."""
+    wanted = f"SIG{sig}"
+    if not checkpoint.enabled or wanted in checkpoint.signals:
+        return ()
+    if list(checkpoint.signals) != CheckpointConfig().signals:
+        raise SlurmOptionError(f"checkpoint.signals={checkpoint.signals} does not hold {wanted}, the signal "
+                               f"--signal {sig} has Slurm send; hint: add {wanted}, or leave checkpoint.signals "
+                               "out (hpctrain slurm then sets it)")
+    return (f"checkpoint.signals=[{wanted},SIGTERM]",)
+
+
 def signal_lead(opts: SlurmOptions, time_s: int, run_dir: Path) -> int:
-    """Seconds before the time limit for the USR1 warning: given, or measured save + margin."""
+    """Seconds before the time limit for the warning: given, or measured (2 x save + one
+    validation, which a signal may have to wait for) + margin."""
     lead = opts.signal_lead_s
     if lead is None:
         measured = measured_save_s(run_dir)
-        lead = DEFAULT_SIGNAL_LEAD_S if measured is None else math.ceil(2 * measured) + SIGNAL_MARGIN_S
+        lead = DEFAULT_SIGNAL_LEAD_S if measured is None else \
+            math.ceil(2 * measured + measured_validation_s(run_dir)) + SIGNAL_MARGIN_S
     if lead < 1 or lead > 65535:
         raise SlurmOptionError(f"--signal-lead {lead} s must be within 1..65535 (Slurm's limit)")
     if lead >= time_s:
@@ -198,6 +238,25 @@ def measured_save_s(run_dir: Path) -> float | None:
     return None
 
 
+def measured_validation_s(run_dir: Path) -> float:
+    """The longest validation in ``metrics.jsonl`` (count / samples per second), 0 if none:
+    a preemption signal during a validation is seen at the step after it."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0.0
+    longest = 0.0
+    for line in lines:
+        if '"eval_samples_per_s"' not in line:
+            continue
+        try:
+            row = json.loads(line)
+            longest = max(longest, float(row["val_count"]) / float(row["eval_samples_per_s"]))
+        except (ValueError, KeyError, TypeError, ZeroDivisionError):
+            continue  # a torn last line, or a row without the numbers
+    return longest
+
+
 def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, str] | None = None,
              workdir: Path | None = None) -> JobPlan:
     """Validate options and config together; nothing is written before this returns."""
@@ -207,6 +266,7 @@ def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, s
     workdir = (workdir or Path.cwd()).resolve()
     _check_counts(opts)
     _check_words(opts)
+    sig = preemption_signal(opts.signal)
     gpus, nproc = _gpus_and_procs(opts)
     time_s = parse_time(opts.time)
     path, overrides = split_config_args(config_args)
@@ -214,14 +274,14 @@ def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, s
     check_world(cfg, opts.nodes * nproc)
     run_dir = (workdir / resolve_run_dir(cfg.run.dir, cfg)).resolve()
     check_run_dir(run_dir, cfg.run.overwrite, cfg.resume)
-    args = _absolute_config_args(path, overrides, workdir, run_dir)
+    args = (*_absolute_config_args(path, overrides, workdir, run_dir), *rank_signals(sig, cfg.checkpoint))
     container = _container(opts, gpus, run_dir, workdir, cfg.data.path, path)
     python = opts.python or ("python3" if container else sys.executable)
     exports = {k: v for k, v in sorted(environ.items()) if k.startswith(PASS_THROUGH)}
     exports.update(item.split("=", 1) for item in opts.env)  # type: ignore[misc]
     _check_rendered(run_dir, workdir, exports)
     return JobPlan(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
-                   run_dir=run_dir, workdir=workdir, config_args=args, python=python, exports=exports,
+                   signal=sig, run_dir=run_dir, workdir=workdir, config_args=args, python=python, exports=exports,
                    container=container)
 
 
@@ -280,14 +340,15 @@ def _header(plan: JobPlan) -> list[str]:
         lines.append(f"#SBATCH --gpus-per-node={plan.gpus}")
     lines += [f"#SBATCH --{name.replace('_', '-')}={getattr(o, name)}"
               for name in ("cpus_per_task", "mem", "partition", "account", "qos") if getattr(o, name) is not None]
-    return lines + [f"#SBATCH --time={o.time.strip()}", f"#SBATCH --signal=B:USR1@{plan.signal_lead_s}",
+    return lines + [f"#SBATCH --time={o.time.strip()}", f"#SBATCH --signal=B:{plan.signal}@{plan.signal_lead_s}",
                     "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --chdir={plan.workdir}",
                     f"#SBATCH --output={run / 'slurm-%j.out'}", f"#SBATCH --error={run / 'slurm-%j.err'}"]
 
 
 def _preamble(plan: JobPlan) -> list[str]:
+    sig = plan.signal
     lines = ["# Written by `hpctrain slurm`; `hpctrain slurm status RUN_DIR` reports on the job.",
-             "# On USR1 (the time-limit warning, or `scancel --signal=USR1 --batch`) the trap below forwards",
+             f"# On {sig} (the time-limit warning, or `scancel --signal={sig} --batch`) the trap below forwards",
              "# it to the job step; the ranks save and exit 3; only then, and only while fewer than",
              "# MAX_REQUEUES requeues happened, this shell (on the host) runs `scontrol requeue`.",
              "set -u", f"RUN_DIR={shlex.quote(str(plan.run_dir))}", f"MAX_REQUEUES={plan.opts.max_requeues}",
@@ -310,17 +371,26 @@ def _step(plan: JobPlan) -> list[str]:
     prefix = c.task_prefix() if c else []
     launcher = [shlex.quote(plan.python), "-m", "hpctrain", "run", f"--nnodes={o.nodes}", f"--nproc={plan.nproc}",
                 '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
-                f"--shutdown-timeout={plan.signal_lead_s}"]
+                f"--shutdown-timeout={plan.signal_lead_s}",
+                *([f"--hang-timeout={o.hang_timeout_s:g}"] if o.hang_timeout_s is not None else [])]
     parts = [" ".join(srun), *([" ".join(prefix)] if prefix else []), " ".join(launcher),
              " ".join(["train", *map(shlex.quote, plan.config_args)]) + " &"]
     return ["interrupted=0",
-            'forward() { interrupted=1; echo "hpctrain: USR1 at $(date -u +%FT%TZ), forwarding to the job step";'
-            ' kill -USR1 "$step" 2>/dev/null; }',
-            "trap forward USR1", "started=$(date +%s)",
+            f'forward() {{ interrupted=1; echo "hpctrain: {plan.signal} at $(date -u +%FT%TZ), forwarding to the job'
+            f' step"; {_forward(plan.signal)}; }}',
+            f"trap forward {plan.signal}", "started=$(date +%s)",
             " \\\n  ".join(parts), "step=$!",
             "# bash runs a trap only once `wait` returns: wait again until the step itself has ended",
             'wait "$step"; code=$?',
             'while [ "$interrupted" = 1 ]; do interrupted=0; wait "$step"; code=$?; done']
+
+
+def _forward(sig: str) -> str:
+    """The trap's command that hands SIG to every node's task of the job step, from this shell (on
+    the host, outside any container). scancel without --batch signals every step but this one."""
+    if sig in SRUN_PASSES:
+        return f'kill -{sig} "$step" 2>/dev/null'
+    return f'scancel --signal={sig} "$SLURM_JOB_ID"'
 
 
 def _outcome(plan: JobPlan) -> list[str]:

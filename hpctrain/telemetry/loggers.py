@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from hpctrain.errors import UserError
+from hpctrain.errors import UserError, io_error
 
 log = logging.getLogger("hpctrain")
 
@@ -137,20 +138,38 @@ def _check_installed(name: str, options: LoggerOptions) -> None:
 
 
 class JsonlLogger:
-    """Append-only, one flushed line per row, so a crash keeps every row written so far."""
+    """Append-only, one flushed line per row, so a crash keeps every row written so far. A row
+    that cannot be written (disk full, quota) ends the run with an error naming the file
+    (:func:`hpctrain.errors.io_error`): this is the run's record, never silently incomplete."""
 
     def __init__(self, path: Path) -> None:
-        self._fh: IO[str] | None = open(path, "a")
+        self.path = path
+        try:
+            self._fh: IO[str] | None = open(path, "a")
+        except OSError as err:
+            raise io_error("open", path, err) from err
 
     def log(self, row: dict[str, Any], step: int) -> None:
-        if self._fh is not None:
+        if self._fh is None:
+            return
+        try:
             self._fh.write(json.dumps(row) + "\n")
             self._fh.flush()
+        except OSError as err:
+            self._drop()
+            raise io_error("append a row to", self.path, err) from err
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+    def _drop(self) -> None:
+        """Close after a failed write: the bytes still buffered cannot be written either."""
+        fh, self._fh = self._fh, None
+        with contextlib.suppress(OSError):
+            if fh is not None:
+                fh.close()
 
 
 class TensorBoardLogger:

@@ -92,6 +92,7 @@ class Telemetry:
     def stop(self) -> None:
         """After the loop: the profiler writes its trace (also for a window cut short)."""
         self.memory.disarm()
+        self.meter.finishing()
         if self.profiler is not None:
             self.profiler.__exit__(None, None, None)
 

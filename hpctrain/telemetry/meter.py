@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpctrain.telemetry import heartbeat
 from hpctrain.telemetry.flops import Peak, remeasure_cpu_peak, train_step_flops
 from hpctrain.telemetry.gpu import GpuMonitor
 
@@ -83,6 +84,7 @@ class Meter:
         self._mem_peak = 0.0
         self._warned = False
         self.counted = False
+        self._beat = heartbeat.from_env()  # under hpctrain run: the launcher's watchdog reads it
         self.restart(self.step)
 
     def restart(self, step: int) -> None:
@@ -91,6 +93,8 @@ class Meter:
         self._last = time.perf_counter()
         self._start = self._mark()
         self._log_mark = self._straggler_mark = self._start
+        if self._beat is not None:
+            self._beat.at_step(step)
 
     # ---------------------------------------------------------------- the hot path
 
@@ -103,6 +107,14 @@ class Meter:
         self._last = now
         if self._events is not None:
             self._events.mark(phase)
+        if self._beat is not None:
+            self._beat.beat(phase)
+
+    def finishing(self) -> None:
+        """The loop is over: the heartbeat says so (the final validation and save may take
+        long) and later laps no longer count as the loop's progress."""
+        heartbeat.finishing()
+        self._beat = None
 
     def first_batch(self, model: nn.Module, batch: Any, tokens: int | None = None) -> None:
         """Once, on the first micro-batch: FLOPs per step (on meta: no compute) and the tokens

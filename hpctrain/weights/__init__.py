@@ -1,6 +1,6 @@
 """The trained weights, out of every strategy: ``RUN_DIR/model.pt`` streamed one tensor at a
 time (:mod:`~hpctrain.weights.model`), the stream writer and ``hpctrain ckpt export``'s sources
-(:mod:`~hpctrain.weights.export`)."""
+(:mod:`~hpctrain.weights.export`), and reading a weights file checked first (:mod:`~hpctrain.weights.load`)."""
 
 from __future__ import annotations
 

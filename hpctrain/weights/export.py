@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hpctrain.checkpoint import tensorfile
+from hpctrain.checkpoint import layout, tensorfile
 from hpctrain.errors import RunError, UserError
 from hpctrain.rundir import ParamsHash, atomic_open, clean_name
 
@@ -218,6 +218,7 @@ def write_stream(path: Path, source: Source, *, write: bool = True,
     hasher = ParamsHash(param_names) if param_names is not None else None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        layout.remove_stale_temps(path.parent, path.name)  # a killed earlier write's .NAME.tmp-PID
         with atomic_open(path, "wb") as fh:
             error = _write_all(fh, path, source, hasher)
             if error is not None:

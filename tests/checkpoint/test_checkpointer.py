@@ -288,7 +288,7 @@ def test_young_daly_and_schedules() -> None:
 
 @pytest.mark.parametrize("override, hint", [
     ("checkpoint.keep_last=0", "newest good checkpoint"), ("checkpoint.every_seconds=soon", "Young-Daly"),
-    ("checkpoint.signals=[SIGHUP]", "SIGUSR1"),
+    ("checkpoint.signals=[SIGKILL]", "SIGUSR1"),
 ])
 def test_config_errors_name_the_key(override: str, hint: str) -> None:
     with pytest.raises(ConfigError, match=hint):

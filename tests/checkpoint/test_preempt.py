@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.checkpoint import layout
-from hpctrain.checkpoint.preempt import EXIT_PREEMPTED
+from hpctrain.checkpoint.preempt import EXIT_PREEMPTED, read_status
 from hpctrain.cli import main as cli_main
 from tests.ckpt_models import SLOW_RUN_ARGS
 from tests.dist_utils import finish_launch, launch_env, train_cases
@@ -188,4 +188,58 @@ def test_ranks_end_with_a_sigkilled_launcher_and_the_restart_is_bit_identical(tm
     code, out = _run(cmd)  # the restart, as the README says: resumes from the last committed checkpoint
     assert code == 0, out[-4000:]
     assert "resumed from" in out
+    assert _params(run_dir) == reference
+
+
+def _rank_importing_torch(launcher: subprocess.Popen[bytes]) -> int:
+    """A rank of ``launcher`` that is importing torch: started (its own command line, not the
+    launcher's from before exec) and with libtorch mapped. The trainer's own handler comes
+    seconds later, after the import, the set-up and the rendezvous."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline and launcher.poll() is None:
+        for pid in _workers(launcher.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"run" not in argv and b"libtorch" in Path(f"/proc/{pid}/maps").read_bytes():
+                    return pid
+            except OSError:  # ended, or not ours to read yet
+                continue
+        time.sleep(0.005)
+    pytest.fail(f"no rank importing torch within {TIMEOUT} s:\n{launcher.communicate()[0].decode()[-4000:]}")
+
+
+def _wait_for_outcome(run_dir: Path, outcome: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while read_status(run_dir).get("outcome") != outcome:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {outcome!r} in status.json:\n{proc.communicate()[0].decode()[-4000:]}")
+        time.sleep(0.01)
+
+
+def test_signals_in_start_up_and_after_the_save_end_in_exit_3_and_resume_bit_identical(tmp_path: Path,
+                                                                                      reference: str) -> None:
+    """Issue 17, point 6. USR1 to a rank still importing torch (no trainer handler yet) used to end
+    it by the signal: now `hpctrain train` keeps it from its first line, and every rank saves after
+    step 1 and exits 3. Then the launcher gets USR1 twice, a few hundred ms apart, as the ranks end
+    (a repeated Slurm warning, or the warning plus an admin's), and once more while it exits: it used
+    to die by the signal (138) once it had put back the default action (or Python had, at exit)."""
+    run_dir = tmp_path / "run"
+    proc = _start(_hpctrain_run(run_dir))
+    os.kill(_rank_importing_torch(proc), signal.SIGUSR1)
+    _wait_for_outcome(run_dir, "preempted", proc)  # committed; the ranks are on their way out
+    for _ in range(2):
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(0.3)
+    ranks = _workers(proc.pid)
+    deadline = time.monotonic() + TIMEOUT
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the launcher has left torch's agent and is exiting (its last second or two)
+    os.kill(proc.pid, signal.SIGUSR1)
+    code, out = _finish(proc)
+    assert code == EXIT_PREEMPTED, out[-4000:]
+    assert "SIGUSR1 arrived during start-up: saving after the first step" in out
+    assert [s for s, _ in layout.committed(run_dir / "checkpoints")] == [1]
+    code, out = _run(_hpctrain_run(run_dir))
+    assert code == 0, out[-4000:]
     assert _params(run_dir) == reference

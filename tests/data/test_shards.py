@@ -231,6 +231,53 @@ def test_flipped_byte_is_named_by_loader_and_verify(tmp_path, where):
     assert skip.skipped == 1 and sum(int(b.mask.sum()) if b.mask is not None else len(b) for b in batches) == 11
 
 
+def test_corrupt_sample_in_a_loader_worker_is_one_line(tmp_path):
+    """DataLoader re-raises a worker's error with the worker's traceback as its message; the
+    loaders raise the worker's own error instead: one line naming shard and key (issue 17)."""
+    make_shards(tmp_path, n=12, per_shard=6, kind="png")
+    index = json.loads((tmp_path / "train-000000.idx.json").read_text())
+    flip_byte(tmp_path / "train-000000.tar", index["start"][4] + index["offsets"][4][2] + 20)  # s00004's pixels
+    loaders = [ShardedLoader(tmp_path, ClusterEnv(), 3, shuffle="none", num_workers=2, persistent_workers=False),
+               ShardedEvalLoader(tmp_path, ClusterEnv(), 3, split="train", num_workers=2)]
+    for loader in loaders:
+        with pytest.raises(CorruptSampleError) as caught:
+            list(loader)
+        message = str(caught.value)
+        assert message.startswith("shard ") and "train-000000.tar sample 's00004'" in message, message
+        assert "\n" not in message and "Traceback" not in message and "worker" not in message, message
+
+
+def test_missing_shard_is_called_missing_not_truncated(tmp_path, capsys):
+    make_shards(tmp_path, n=20, per_shard=10)
+    (tmp_path / "train-000001.tar").unlink()
+    for make in (lambda: ShardedLoader(tmp_path, ClusterEnv(), 4),
+                 lambda: ShardedLoader(tmp_path, ClusterEnv(), 4, on_corrupt="skip"),  # skip is for bad samples
+                 lambda: ShardedEvalLoader(tmp_path, ClusterEnv(), 4, split="train")):
+        with pytest.raises(ShardError, match=r"1 of the 2 shards .*train\.manifest\.json lists are missing.*"
+                                             r"train-000001\.tar") as caught:
+            make()
+        assert "truncated" not in str(caught.value)
+    assert main(["data", "verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "train-000001.tar: file is missing" in err and "truncated" not in err
+
+
+def test_verify_fails_when_a_manifest_is_deleted(tmp_path, capsys):
+    make_shards(tmp_path, n=12, per_shard=6)
+    make_shards(tmp_path, n=6, per_shard=6, split="val")
+    (tmp_path / "train.manifest.json").unlink()
+    assert main(["data", "verify", str(tmp_path)]) == 1  # val is fine, train's shards have no manifest
+    captured = capsys.readouterr()
+    assert "ok   val" in captured.out
+    assert f"2 shard(s) of split 'train' but no manifest {tmp_path / 'train.manifest.json'}" in captured.err
+    assert "delete" not in captured.err and "remove" not in captured.err
+    (tmp_path / "val.manifest.json").unlink()  # no manifest at all: the shards are still reported
+    assert main(["data", "verify", str(tmp_path)]) == 1
+    assert "split 'val'" in capsys.readouterr().err
+    assert main(["data", "verify", str(tmp_path), "--split", "train"]) == 2  # asked for it by name: bad input
+    assert "train.manifest.json" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- WebDataset interop
 
 

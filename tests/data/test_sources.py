@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import ast
+import gzip
 import json
+import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +20,7 @@ from hpctrain.data import sources
 from hpctrain.data.batch import ArrayDataset
 from hpctrain.data.build import build_data, build_val_loader
 from hpctrain.data.config import DataConfig
-from hpctrain.data.errors import ShardError
+from hpctrain.data.errors import DataFormatError, ShardError
 from hpctrain.data.sources import Source, data_source, load_dataset, open_source, register_source
 from hpctrain.data.text import write_text_shards
 from hpctrain.env import ClusterEnv
@@ -126,3 +130,24 @@ def test_the_package_exports_lazily_what_it_lists():
         assert getattr(data, name).__module__ == data._EXPORTS[name], name
     with pytest.raises(AttributeError, match="no attribute 'shards'"):
         data.shards  # noqa: B018 - the old module is gone, not re-exported
+
+
+@pytest.mark.parametrize(("name", "content", "says"), [
+    ("random.bin", b"\xc7\xda" + bytes(range(256)) * 4, "is not MNIST's mnist.pkl.gz (not a complete gzip file"),
+    ("cut.pkl.gz", None, "is not MNIST's mnist.pkl.gz (not a complete gzip file"),
+    ("wrong-shape.pkl.gz", ((np.zeros((3, 5), np.float32), np.zeros(3)),) * 3, "not N x 784 pixels with N labels"),
+    ("scalars.pkl.gz", ((np.float32(1), np.float32(2)),) * 3, "not N x 784 pixels with N labels"),
+    ("fewer-labels.pkl.gz", ((np.zeros((3, 784), np.float32), np.zeros(2)),) * 3, "not N x 784 pixels"),
+])
+def test_a_data_path_that_is_not_mnist_is_named(tmp_path, name, content, says):
+    """A random file, a cut download or another pickle of arrays as data.path: a DataFormatError
+    (exit 2) naming the file, never a gzip or numpy traceback (issue 17)."""
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        whole = gzip.compress(pickle.dumps(content if content is not None else ((np.zeros((2, 784)),) * 2,) * 3))
+        path.write_bytes(whole if content is not None else whole[: len(whole) // 2])
+    with pytest.raises(DataFormatError, match=re.escape(says)) as caught:
+        load_dataset("mnist", "train", str(path))
+    assert str(path) in str(caught.value) and caught.value.exit_code == 2

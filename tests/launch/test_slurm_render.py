@@ -83,8 +83,9 @@ def test_multinode_numbers() -> None:
 
 
 FAKE_SRUN = """#!/bin/bash
-# a job step: trains until USR1 (then "saves" and exits 3) or exits with $STEP_EXIT by itself
-trap 'echo step-got-usr1 >> "$LOG"; exit 3' USR1
+# a job step: trains until a preemption signal (then "saves" and exits 3) or exits with $STEP_EXIT by itself
+for sig in USR1 USR2 HUP TERM; do trap "echo step-got-$sig >> $LOG; exit 3" $sig; done
+echo $$ > "$LOG.step"
 echo "srun $*" >> "$LOG"
 [ -n "${STEP_EXIT:-}" ] && exit "$STEP_EXIT"
 for _ in $(seq 200); do sleep 0.05; done
@@ -93,16 +94,21 @@ exit 0
 FAKE_SCONTROL = """#!/bin/bash
 if [ "$1" = show ]; then echo node7; echo node8; else echo "scontrol $*" >> "$LOG"; fi
 """
+# scancel --signal=SIG JOBID: Slurm signals the job's steps (here: the fake srun's process)
+FAKE_SCANCEL = """#!/bin/bash
+echo "scancel $*" >> "$LOG"
+kill "-${1#--signal=}" "$(cat "$LOG.step")"
+"""
 
 
 def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signal_after: float | None = None,
-                max_requeues: int = 2) -> tuple[int, str]:
+                max_requeues: int = 2, sig: str = "USR1") -> tuple[int, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    opts = SlurmOptions(nodes=2, time="01:00:00", python="python", max_requeues=max_requeues)
+    opts = SlurmOptions(nodes=2, time="01:00:00", python="python", max_requeues=max_requeues, signal=sig)
     script = tmp_path / "job.sh"
     script.write_text(render(plan_job(opts, [f"run.dir={tmp_path / 'run'}"], environ={}, workdir=tmp_path)))
     log = tmp_path / "log"
@@ -115,15 +121,20 @@ def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signa
         while "srun" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(signal_after)
-        proc.send_signal(signal.SIGUSR1)  # Slurm's B:USR1 reaches the batch shell only
+        for _ in range(2):  # B:SIG reaches the batch shell only; a second one (a repeated warning) changes nothing
+            proc.send_signal(getattr(signal, f"SIG{sig}"))
+            time.sleep(0.1)
     out, _ = proc.communicate(timeout=30)
     return proc.returncode, out.decode() + log.read_text()
 
 
-def test_usr1_to_the_batch_shell_is_forwarded_and_requeues(tmp_path: Path) -> None:
-    code, out = _run_script(tmp_path, signal_after=0.2)
+@pytest.mark.parametrize("sig", slurm.SIGNALS)
+def test_the_signal_to_the_batch_shell_is_forwarded_and_requeues(tmp_path: Path, sig: str) -> None:
+    code, out = _run_script(tmp_path, signal_after=0.2, sig=sig)
     assert code == 3, out
-    assert "step-got-usr1" in out and "scontrol requeue 4242" in out, out
+    assert f"step-got-{sig}" in out and out.count("scontrol requeue 4242") == 1, out
+    # srun would answer HUP/TERM with SIGKILL to every task: those reach the step through scancel
+    assert (f"scancel --signal={sig} 4242" in out) == (sig in ("HUP", "TERM")), out
     assert "--rdzv-endpoint=node7:" in out.replace('"', "") or "rdzv-endpoint=node7" in out, out
 
 

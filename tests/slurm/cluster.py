@@ -135,9 +135,9 @@ def reference_summary(tmp_root: Path) -> dict[str, object]:
     return _REFERENCE["ref"]
 
 
-def submit(up: Up, run_dir: Path, model: str, *options: str) -> str:
-    """``hpctrain slurm MODEL JOB run.dir=RUN_DIR OPTIONS --submit`` on cluster UP; returns the job id."""
-    proc = subprocess.run([sys.executable, "-m", "hpctrain", "slurm", model, *JOB, f"run.dir={run_dir}",
+def submit(up: Up, run_dir: Path, model: str, *options: str, config: tuple[str, ...] = ()) -> str:
+    """``hpctrain slurm MODEL JOB CONFIG run.dir=RUN_DIR OPTIONS --submit`` on cluster UP; returns the job id."""
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "slurm", model, *JOB, *config, f"run.dir={run_dir}",
                            "--time", "00:10:00", "--max-requeues", "2", *options, "--submit"],
                           capture_output=True, text=True, env=up.env, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -6,18 +6,13 @@ session if this session started it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.slurm.cluster import Up, cluster, reference_summary
+from tests.slurm.cluster import Up, cluster
 
 
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[Up]:
     yield from cluster("slurm-up.sh", "slurm-down.sh")
 
-
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    return reference_summary(Path(tmp_path_factory.getbasetemp()))

@@ -1,39 +1,93 @@
-"""Preemption on a real single-node Slurm, through the job `hpctrain slurm --submit` writes: USR1 to the batch
-shell (what `--signal=B:USR1@T` and `scancel --signal=USR1 --batch` do) -> its trap forwards USR1 to the job
-step -> `hpctrain run` forwards it to both ranks -> they agree, save and exit 3 -> the script requeues the
-job -> the requeued job resumes and ends with the same weights as an uninterrupted run."""
+"""Preemption on a real single-node Slurm, through the job `hpctrain slurm --signal SIG --submit` writes, for
+each signal it offers: SIG to the batch shell (what `--signal=B:SIG@T` and `scancel --signal=SIG --batch` do) ->
+its trap hands SIG to the job step (USR1/USR2 through srun, HUP/TERM through scancel: srun would turn those into
+SIGKILL) -> `hpctrain run` forwards it to the rank, whose checkpoint.signals hold it -> it saves and exits 3 ->
+the script requeues the job -> the requeued job resumes and ends with the same weights as an uninterrupted run.
+
+Cheap on purpose: one tiny 1-rank job per signal, all submitted at once (two run side by side on the test
+node's two CPUs), each signalled as soon as it trains; 2 ranks on 2 nodes: tests/multinode/test_slurm2.py."""
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 
-from tests.slurm.cluster import (
-    SLOW,
-    STEPS,
-    assert_preempted_and_resumed,
-    job_field,
-    job_logs,
-    preempt_after_first_checkpoint,
-    submit,
-    summary,
-    wait_finished,
-)
+from hpctrain.launch.slurm import SIGNALS
+from tests.slurm.cluster import FAST, JOB, SLOW, Up, job_field, job_logs, submit, summary, wait_finished, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
+STEPS = 200  # 4 s of slow_mlp's 20 ms steps: a job is still training when its signal comes
+TINY = (f"train.max_steps={STEPS}", "checkpoint.every_steps=null")  # only the signal saves
 
-def test_usr1_saves_requeues_and_resumes_bit_identical(slurm, reference, tmp_path):
-    run_dir = tmp_path / "run"
-    job = submit(slurm, run_dir, SLOW, "--nodes", "1", "--nproc-per-node", "2", "--cpus-per-task", "2")
+
+@dataclass
+class Job:
+    run_dir: Path
+    job_id: str
+    state: str = ""
+    restarts: str = ""
+
+
+def _trained(run_dir: Path) -> int:
     try:
-        preempt_after_first_checkpoint(slurm, run_dir, job)
-        state = wait_finished(slurm, job)
+        rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return max((json.loads(r).get("step", 0) for r in rows if r.endswith("}")), default=0)
+
+
+def _signal_those_training(up: Up, waiting: dict[str, Job]) -> bool:
+    """Send each job still waiting its signal once it has trained a few steps; True when none is left."""
+    for sig, job in list(waiting.items()):
+        if _trained(job.run_dir) >= 10:
+            up.run("scancel", f"--signal={sig}", "--batch", job.job_id)
+            del waiting[sig]
+    return not waiting
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm: Up, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+    """One job per signal, each preempted once while it trains, then left to finish."""
+    root = tmp_path_factory.mktemp("signals")
+    submitted = {sig: Job(root / sig, submit(slurm, root / sig, SLOW, "--nodes", "1", "--nproc-per-node", "1",
+                                             "--signal", sig, config=TINY)) for sig in SIGNALS}
+    try:
+        waiting = dict(submitted)
+        wait_for(lambda: _signal_those_training(slurm, waiting), 300, f"jobs {sorted(waiting)} to train")
+        for job in submitted.values():
+            job.state = wait_finished(slurm, job.job_id)
+            job.restarts = job_field(slurm, job.job_id, "Restarts")
     finally:
-        slurm.run("scancel", job, check=False)
-    logs = job_logs(run_dir, job)
-    assert state == "COMPLETED", logs[-4000:]
-    assert job_field(slurm, job, "Restarts") == "1", logs[-4000:]
-    assert_preempted_and_resumed(logs)
-    got = summary(run_dir)
-    assert got["steps"] == STEPS and got["world_size"] == 2
-    assert got["params_sha256"] == reference["params_sha256"]
+        for job in submitted.values():
+            slurm.run("scancel", job.job_id, check=False)
+    return submitted
+
+
+@pytest.fixture(scope="module")
+def reference_one_rank(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_sha256 of the same job uninterrupted, trained in this process (world size 1 either way)."""
+    from hpctrain.config import load_config
+    from hpctrain.train import train
+
+    run_dir = tmp_path_factory.mktemp("reference-one-rank") / "run"
+    return str(train(load_config(None, [FAST, *JOB, *TINY, f"run.dir={run_dir}"]))["params_sha256"])
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_each_signal_saves_requeues_and_resumes_bit_identical(jobs: dict[str, Job], reference_one_rank: str,
+                                                              sig: str) -> None:
+    job = jobs[sig]
+    logs = job_logs(job.run_dir, job.job_id)
+    assert job.state == "COMPLETED" and job.restarts == "1", logs[-4000:]
+    assert f"hpctrain: {sig} at " in logs and "hpctrain: requeue 1 of 2" in logs, logs[-4000:]
+    saved = re.findall(r"preempted: checkpoint \S+ committed at step (\d+)", logs)
+    assert len(saved) == 1 and 10 <= int(saved[0]) < STEPS, logs[-4000:]
+    assert re.search(rf"resumed from \S+ \(step {saved[0]}\b", logs), logs[-4000:]
+    got = summary(job.run_dir)
+    assert got["steps"] == STEPS and got["world_size"] == 1
+    assert got["params_sha256"] == reference_one_rank

@@ -6,9 +6,11 @@ import json
 import logging
 import struct
 import sys
+from pathlib import Path
 
 import pytest
 
+from hpctrain.errors import RunIOError
 from hpctrain.telemetry.loggers import LoggerError, LoggerOptions, Loggers, build_loggers, scalars
 
 ROWS = [{"step": s, "epoch": 0, "loss": 1.0 / s, "samples_per_s": 100.0 * s} for s in (1, 2, 3)]
@@ -45,6 +47,21 @@ def test_jsonl_always_on_and_other_ranks_write_nothing(tmp_path):
     other.mkdir()
     assert build_loggers(["jsonl"], other, _options(), is_main=False).names == []
     assert not list(other.iterdir())
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
+def test_jsonl_on_a_full_disk_ends_the_run_naming_the_file(tmp_path, caplog):
+    """metrics.jsonl is the run's record: a row that cannot be written is a RunIOError naming
+    the file (exit 1), not a warning, and not an internal error (issue 17)."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC
+    loggers = build_loggers([], tmp_path, _options())
+    with pytest.raises(RunIOError, match=rf"cannot append a row to {tmp_path / 'metrics.jsonl'}: "
+                                         r"No space left on device; hint: free space") as caught:
+        loggers.log(ROWS[0])
+    assert caught.value.exit_code == 1
+    with caplog.at_level(logging.WARNING, logger="hpctrain"):
+        loggers.close()  # the dropped file is not flushed again: no second error, no warning
+    assert loggers.names == [] and caplog.records == []
 
 
 def test_tensorboard_read_back(tmp_path):
