@@ -32,7 +32,7 @@ import torch.distributed as dist
 from hpctrain import safe_pickle
 from hpctrain.checkpoint import layout, tensorfile
 from hpctrain.checkpoint.policy import Schedule
-from hpctrain.checkpoint.preempt import Agreement, SignalFlag
+from hpctrain.checkpoint.preempt import Agreement, SignalFlag, record_preempted
 from hpctrain.checkpoint.state import (
     DEEPSPEED_DIR,
     REPLICATED,
@@ -250,6 +250,7 @@ class Checkpointer:
         if signal_seen:
             self.save(best, blocking=True)
             self.preempted = True
+            record_preempted()  # under hpctrain run: the launcher then exits 3 for any program
             return True
         if timer_due or self.schedule.step_due(step):
             self.save(best)

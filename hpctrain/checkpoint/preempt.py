@@ -173,3 +173,62 @@ def launcher_exit_code(cfg: Any, code: int, since: float) -> int:
     if status.get("outcome") == "preempted" and status.get("time", 0.0) >= since:
         return EXIT_PREEMPTED
     return code
+
+
+# ---------------------------------------------------------------- any program under hpctrain run
+
+# `hpctrain run` gives its ranks a node-local directory; a rank that saved for a preemption
+# records it there, so the launcher can say 3 for any program, not only for hpctrain train.
+OUTCOME_ENV = "HPCTRAIN_OUTCOME_DIR"
+
+
+def record_preempted(environ: dict[str, str] | None = None) -> None:
+    """Tell ``hpctrain run`` this rank saved for a preemption and is about to exit 3."""
+    env = os.environ if environ is None else environ
+    directory = env.get(OUTCOME_ENV)
+    if directory:
+        Path(directory, f"rank-{env.get('RANK', '0')}").write_text("preempted")
+
+
+def all_preempted(directory: Path, nproc: int) -> bool:
+    """Did every one of this node's ``nproc`` ranks record a preemption?"""
+    return len([p for p in directory.glob("rank-*") if p.read_text() == "preempted"]) >= nproc
+
+
+class Preemption:
+    """"Save, then exit 3" for any loop, in a few lines::
+
+        preemption = Preemption()            # before the loop: the signals only set a flag
+        for step in ...:
+            ...
+            if preemption.agreed(step):      # every rank alike (one tiny all-reduce if distributed)
+                save_checkpoint()
+                preemption.exit()            # exit 3: hpctrain run / hpctrain slurm requeue
+
+    ``signals``: the names to handle (default: checkpoint.signals' default); ``every``: how
+    often (in steps) the ranks agree."""
+
+    def __init__(self, signals: Iterable[str] | None = None, every: int = 1) -> None:
+        if signals is None:  # hpctrain slurm --signal's choice, else checkpoint.signals' default
+            from hpctrain.checkpoint.config import CheckpointConfig
+            from hpctrain.launch.program import program_signals
+
+            signals = program_signals(CheckpointConfig().signals)
+        self.flag = SignalFlag(list(signals))
+        self.flag.install()
+        self._every = every
+        self._agreement: Agreement | None = None
+
+    def agreed(self, step: int) -> bool:
+        """True on every rank at the same step once any rank got a preemption signal."""
+        if self._agreement is None:
+            from hpctrain.env import detect
+
+            self._agreement = Agreement(detect(), None, self._every)
+        seen, _ = self._agreement(step, self.flag.requested, False)
+        return seen
+
+    def exit(self) -> None:
+        """Record the preemption for the launcher and end the process with 3."""
+        record_preempted()
+        raise SystemExit(EXIT_PREEMPTED)

@@ -13,6 +13,7 @@ from typing import Any
 
 from hpctrain.errors import UserError
 from hpctrain.launch import DEFAULT_HANG_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S
+from hpctrain.launch.program import program_signals, user_program
 
 
 def add_parser(sub: Any) -> None:
@@ -38,7 +39,11 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S,
                    help="seconds without progress before a rank counts as hung: stacks to RUN_DIR/hang-*/, "
                         "then a restart or exit 4 (first step, validation and saves get 3x; 0: off)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="[train|eval] [CONFIG] [key=value ...] [--weights PATH]")
+    p.add_argument("--run-dir", type=Path, help="your own script: where hang reports go (default: .)")
+    p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [ARGS]",
+                   help="run a Python module on each rank, as torchrun -m / python -m would")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="[train|eval] [CONFIG] [key=value ...] [--weights PATH], or SCRIPT.py [ARGS]")
     p.set_defaults(func=cmd_run)
 
 
@@ -49,6 +54,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hpctrain.rundir import resolve_run_dir
 
     rest = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
+    program = user_program(rest, args.module)
+    if program is not None:
+        return _run_program(args, program)
     if not rest or rest[0] not in ("train", "eval"):
         rest = ["train", *rest]
     # Fail here, once, not in N ranks: the ranks' command line checked by the CLI's own parser
@@ -65,13 +73,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     return launcher_exit_code(cfg, code, started) if rest[0] == "train" else code
 
 
+def _run_program(args: argparse.Namespace, program: list[str]) -> int:
+    """A user's script on N ranks: torchrun's environment, every preemption signal forwarded,
+    the watchdog when the loop uses the meter, and the script's own exit code (3: requeue)."""
+    from hpctrain.checkpoint.config import CheckpointConfig
+    from hpctrain.checkpoint.preempt import keep_signals
+    from hpctrain.launch.local import launch
+
+    signals = program_signals(CheckpointConfig().signals)
+    keep_signals(signals)
+    return launch(args.nproc, [], program=program, max_restarts=args.max_restarts, nnodes=args.nnodes,
+                  node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                  signals=signals, shutdown_timeout=args.shutdown_timeout, hang_timeout_s=args.hang_timeout,
+                  run_dir=args.run_dir or Path.cwd())
+
+
 # ---------------------------------------------------------------- slurm
 
 
 def _add_slurm(sub: Any) -> None:
     p = sub.add_parser("slurm", help="write (and submit) an sbatch script; `slurm status|cancel RUN_DIR`",
                        description="hpctrain slurm [CONFIG] [key=value ...] --nodes N --time T [options] "
-                                   "[--dry-run | --submit];  hpctrain slurm status|cancel RUN_DIR")
+                                   "[--dry-run | --submit];  hpctrain slurm --nodes N --time T [options] -- "
+                                   "SCRIPT.py [ARGS] (or python -m MODULE [ARGS]);  "
+                                   "hpctrain slurm status|cancel RUN_DIR")
     p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value] | status RUN_DIR | cancel RUN_DIR")
     p.add_argument("--nodes", type=int, help="nodes (one srun task each, starting that node's ranks)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node = ranks per node (0: CPU nodes)")
@@ -100,6 +125,8 @@ def _add_slurm(sub: Any) -> None:
     p.add_argument("--rdzv-port", type=int, help="c10d rendezvous port (default: 20000 + job id mod 20000)")
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE exported in the job (repeatable); "
                                                               "NCCL_*/GLOO_* of this shell are passed anyway")
+    p.add_argument("--run-dir", help="your own program (SCRIPT.py or python -m MODULE after --): its run "
+                                      "directory for logs and status (default runs/<script name>)")
     p.add_argument("--json", action="store_true", help="status: print JSON")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the script, write nothing")
@@ -129,7 +156,8 @@ def _slurm_write(args: argparse.Namespace) -> int:
         account=args.account, qos=args.qos, job_name=args.job_name, container=args.container,
         container_runtime=args.container_runtime, mounts=tuple(args.mount), setup=args.setup,
         max_requeues=args.max_requeues, signal_lead_s=args.signal_lead, python=args.python,
-        rdzv_port=args.rdzv_port, env=tuple(args.env), signal=args.signal, hang_timeout_s=args.hang_timeout)
+        rdzv_port=args.rdzv_port, env=tuple(args.env), signal=args.signal, hang_timeout_s=args.hang_timeout,
+        run_dir=args.run_dir)
     plan = slurm.plan_job(opts, args.config_args)
     text = slurm.render(plan)
     if args.dry_run:

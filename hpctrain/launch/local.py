@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
 import signal
 import sys
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from hpctrain.errors import EXIT_HUNG
+from hpctrain.checkpoint.preempt import OUTCOME_ENV, all_preempted
+from hpctrain.errors import EXIT_HUNG, EXIT_PREEMPTED
 from hpctrain.launch import DEFAULT_SHUTDOWN_TIMEOUT_S
 from hpctrain.launch.watchdog import watching
 
@@ -48,8 +53,9 @@ def signals_to_handle(extra: Iterable[str] = ()) -> list[str]:
 def torchrun_args(nproc: int, subcommand: list[str], *, max_restarts: int = 0, nnodes: str = "1",
                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None, node_rank: int | None = None,
                   monitor_interval: float = 0.5, signals: Iterable[str] = (),
-                  shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT_S) -> list[str]:
-    """The torchrun command line that runs ``python -m hpctrain SUBCOMMAND...`` on each rank."""
+                  shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT_S, program: list[str] | None = None) -> list[str]:
+    """The torchrun command line that runs ``python -m hpctrain SUBCOMMAND...`` on each rank, or
+    ``program`` (``[SCRIPT.py, ARGS...]`` or ``[-m, MODULE, ARGS...]``, as torchrun takes them)."""
     args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
             f"--monitor-interval={monitor_interval}", f"--signals-to-handle={','.join(signals_to_handle(signals))}",
             f"--shutdown-timeout={shutdown_timeout}"]
@@ -60,7 +66,7 @@ def torchrun_args(nproc: int, subcommand: list[str], *, max_restarts: int = 0, n
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id or 'hpctrain'}"]
     else:
         args.append("--standalone")  # single node: a free port, no fixed endpoint to collide on
-    return args + ["-m", "hpctrain", *subcommand]
+    return args + (program if program is not None else ["-m", "hpctrain", *subcommand])
 
 
 @functools.cache
@@ -104,16 +110,30 @@ def launch(nproc: int, subcommand: list[str], *, hang_timeout_s: float = 0.0, ru
     nnodes = int(str(options.get("nnodes", "1")).split(":")[-1])
     rdzv_id = options.get("rdzv_id")
     with watching(hang_timeout_s, run_dir or Path.cwd(), nnodes=nnodes,
-                  rdzv_id=rdzv_id if isinstance(rdzv_id, str) else None) as dog:
+                  rdzv_id=rdzv_id if isinstance(rdzv_id, str) else None) as dog, _outcomes() as outcomes:
         try:
             code = _run(argv)
         finally:  # torch leaves its handlers installed; put back what the caller had, at once (a
             for sig, handler in previous.items():  # signal while the watchdog stops must not meet torch's)
                 signal.signal(sig, handler)
+        if code != 0 and all_preempted(outcomes, nproc):  # each rank saved for a preemption and exited 3
+            return EXIT_PREEMPTED
     if code != 0 and dog is not None and dog.fired is not None:
         print(f"hpctrain run: {dog.fired.line()}", file=sys.stderr)
         return EXIT_HUNG
     return code
+
+
+@contextmanager
+def _outcomes() -> Iterator[Path]:
+    """A private directory where the ranks record a preemption save (hpctrain.checkpoint.preempt)."""
+    directory = Path(tempfile.mkdtemp(prefix="hpctrain-outcomes-"))
+    os.environ[OUTCOME_ENV] = str(directory)
+    try:
+        yield directory
+    finally:
+        os.environ.pop(OUTCOME_ENV, None)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _run(argv: list[str]) -> int:

@@ -33,6 +33,7 @@ from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.errors import UserError
 from hpctrain.launch.container import Container, Runtime, unique_paths
+from hpctrain.launch.program import SIGNALS_ENV, user_program
 from hpctrain.rundir import atomic_write_text, check_run_dir, resolve_run_dir, write_json
 
 SCRIPT_NAME = "hpctrain.sbatch"
@@ -80,6 +81,7 @@ class SlurmOptions:
     env: tuple[str, ...] = ()
     signal: str = DEFAULT_SIGNAL
     hang_timeout_s: float | None = None
+    run_dir: str | None = None  # a user's own program: where logs, status and hang reports go
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +100,7 @@ class JobPlan:
     python: str
     exports: dict[str, str] = field(default_factory=dict)
     container: Container | None = None
+    program: tuple[str, ...] = ()  # a user's own program (SCRIPT.py ARGS or -m MODULE ARGS) instead of train
 
 
 # ---------------------------------------------------------------- validation
@@ -269,6 +272,9 @@ def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, s
     sig = preemption_signal(opts.signal)
     gpus, nproc = _gpus_and_procs(opts)
     time_s = parse_time(opts.time)
+    program = user_program(config_args, base=workdir)
+    if program is not None:
+        return _plan_program(opts, program, environ, workdir, sig, gpus, nproc, time_s)
     path, overrides = split_config_args(config_args)
     cfg = load_config(path, overrides)
     check_world(cfg, opts.nodes * nproc)
@@ -283,6 +289,26 @@ def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, s
     return JobPlan(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
                    signal=sig, run_dir=run_dir, workdir=workdir, config_args=args, python=python, exports=exports,
                    container=container)
+
+
+def _plan_program(opts: SlurmOptions, program: list[str], environ: Mapping[str, str], workdir: Path, sig: str,
+                  gpus: int, nproc: int, time_s: int) -> JobPlan:
+    """A user's own script or module instead of hpctrain train: the same job (trap, forward,
+    requeue on exit 3, logs in the run directory, containers); the program's preemption
+    signals follow --signal through the environment (hpctrain.launch.program.SIGNALS_ENV)."""
+    if program[0] != "-m":
+        program = [str((workdir / program[0]).resolve()), *program[1:]]
+    name = program[1].rsplit(".", 1)[-1] if program[0] == "-m" else Path(program[0]).stem
+    run_dir = (workdir / (opts.run_dir or f"runs/{name}")).resolve()
+    container = _container(opts, gpus, run_dir, workdir, None, program[0] if program[0] != "-m" else None)
+    exports = {k: v for k, v in sorted(environ.items()) if k.startswith(PASS_THROUGH)}
+    exports.update(item.split("=", 1) for item in opts.env)  # type: ignore[misc]
+    exports[SIGNALS_ENV] = ",".join(dict.fromkeys([f"SIG{sig}", "SIGTERM"]))
+    _check_rendered(run_dir, workdir, exports)
+    return JobPlan(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
+                   signal=sig, run_dir=run_dir, workdir=workdir, config_args=(), exports=exports,
+                   python=opts.python or ("python3" if container else sys.executable), container=container,
+                   program=tuple(program))
 
 
 def _check_rendered(run_dir: Path, workdir: Path, exports: Mapping[str, str]) -> None:
@@ -372,9 +398,11 @@ def _step(plan: JobPlan) -> list[str]:
     launcher = [shlex.quote(plan.python), "-m", "hpctrain", "run", f"--nnodes={o.nodes}", f"--nproc={plan.nproc}",
                 '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
                 f"--shutdown-timeout={plan.signal_lead_s}",
-                *([f"--hang-timeout={o.hang_timeout_s:g}"] if o.hang_timeout_s is not None else [])]
+                *([f"--hang-timeout={o.hang_timeout_s:g}"] if o.hang_timeout_s is not None else []),
+                *(['--run-dir="$RUN_DIR"'] if plan.program else [])]
+    command = list(plan.program) if plan.program else ["train", *plan.config_args]
     parts = [" ".join(srun), *([" ".join(prefix)] if prefix else []), " ".join(launcher),
-             " ".join(["train", *map(shlex.quote, plan.config_args)]) + " &"]
+             " ".join(map(shlex.quote, command)) + " &"]
     return ["interrupted=0",
             f'forward() {{ interrupted=1; echo "hpctrain: {plan.signal} at $(date -u +%FT%TZ), forwarding to the job'
             f' step"; {_forward(plan.signal)}; }}',
