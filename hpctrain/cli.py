@@ -7,6 +7,7 @@ import importlib
 import logging
 import os
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,7 +73,12 @@ def cmd_config(args: argparse.Namespace) -> int:
     from hpctrain.config import reference_markdown, to_yaml
 
     if args.action == "doc":
-        sys.stdout.write(reference_markdown())
+        from hpctrain.errors import UserError
+
+        if len(args.config_args) > 1:
+            raise UserError(f"config doc takes at most one SECTION, got {' '.join(args.config_args)}; "
+                            "hint: hpctrain config doc optim")
+        sys.stdout.write(reference_markdown(args.config_args[0] if args.config_args else None))
     else:
         sys.stdout.write(to_yaml(_config(args)))
     return 0
@@ -95,6 +101,18 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def _keys_epilog() -> str:
+    """``train --help``'s list of keys (imports every config section: only for that command)."""
+    from hpctrain.config import key_names
+
+    lines = ["config keys (a YAML file, then key=value overrides; the command line wins):"]
+    for section, keys in key_names().items():
+        text = f"{section or 'top level'}: " + ", ".join(f"{section}.{k}" if section else k for k in keys)
+        lines.append(textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="      "))
+    lines.append("types, defaults and meanings: hpctrain config doc [SECTION], e.g. hpctrain config doc optim")
+    return "\n".join(lines)
+
+
 def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value]")
     p.add_argument("--weights", required=True, help="model.pt of a run (or a state dict file)")
@@ -105,7 +123,8 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
 
 def _add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["show", "doc"])
-    p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value]")
+    p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value] | SECTION",
+                   help="show: a YAML file and overrides; doc: one section (model, data, optim, ...) or all")
     p.set_defaults(func=cmd_config)
 
 
@@ -126,7 +145,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name, (module, line) in COMMANDS.items():
         if name in sub.choices:
             continue  # registered along with an earlier command of its module
-        if module == __name__:
+        if module == __name__ and name == "train" == command:  # only then: the key list imports every section
+            _OWN[name](sub.add_parser(name, help=line, epilog=_keys_epilog(),
+                                      formatter_class=argparse.RawDescriptionHelpFormatter))
+        elif module == __name__:
             _OWN[name](sub.add_parser(name, help=line))
         elif module == wanted:
             importlib.import_module(module).add_parser(sub)

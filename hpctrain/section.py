@@ -12,6 +12,7 @@ section without an import cycle through :mod:`hpctrain.config`.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import field
 from typing import Any, Literal, TypeVar
@@ -59,3 +60,21 @@ def at_least(section_name: str, obj: Any, name: str, low: float) -> None:
 def to_dict(cfg: Any) -> dict[str, Any]:
     """A config (or section) as plain dicts and lists, e.g. for YAML or a checkpoint."""
     return dataclasses.asdict(cfg)
+
+
+def load_import_path(key: str, value: str, error: type[UserError] | None = None) -> Any:
+    """The object ``package.module:NAME`` names (``NAME`` may be dotted), or ``error`` (default
+    :class:`ConfigError`, exit 2) naming ``key`` and ``value`` with a hint."""
+    fail = error or ConfigError
+    module_name, _, attr = value.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - any import-time failure of user code is the user's to fix
+        raise fail(f"{key}={value!r}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
+                   "hint: is the package installed, or its directory on PYTHONPATH?") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise fail(f"{key}={value!r}: module {module_name!r} has no {attr!r}; hint: check the "
+                       "spelling after the colon (case matters)")
+        obj = getattr(obj, part)
+    return obj

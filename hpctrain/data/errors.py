@@ -19,3 +19,7 @@ class CorruptSampleError(RunError):
 
 class DataFormatError(UserError):
     """A data file is not of the kind its source reads (a random file as MNIST); the message names it."""
+
+
+class MissingPackageError(UserError):
+    """An optional package the data needs is not installed; the message carries the pip command."""

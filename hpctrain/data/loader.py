@@ -44,6 +44,7 @@ from hpctrain.data.manifest import (
     manifest_path,
 )
 from hpctrain.data.memory import rank_slice  # one split rule for every evaluation loader
+from hpctrain.data.pack import pillow
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import HpctrainError, UserError
 
@@ -266,6 +267,9 @@ class ShardDataset(Dataset):
         if transform is None and self.input_field.rsplit(".", 1)[-1] not in INPUT_EXTS:
             raise ShardError(f"{index.root}: samples hold .{self.input_field} (not an image or array); "
                              "hint: pass transform=fn(sample_dict) -> (tensor, label) to the loader")
+        ext = self.input_field.rsplit(".", 1)[-1]
+        if ext in IMAGE_EXTS and not (ext == "png" and _spng()):  # libspng alone reads most PNGs
+            pillow()  # here, as a UserError with the install hint, not as every sample's decode failure
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
         self._fill: Any = None

@@ -5,11 +5,14 @@ and the field encoders the sources share."""
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from hpctrain.data.errors import MissingPackageError, ShardError
 
 Samples = Iterator[tuple[str, dict[str, bytes]]]
 DEFAULT_SEQ_LEN = 128  # text: tokens per sample
@@ -18,11 +21,15 @@ VAL_FRACTION = 0.1  # text: the share of documents held out
 
 @dataclass(frozen=True)
 class PackOptions:
-    """``hpctrain data shard`` flags, for the sources that read them (text)."""
+    """``hpctrain data shard`` flags, for the sources that read them."""
 
-    seq_len: int = DEFAULT_SEQ_LEN
-    glob: str | None = None  # the documents of a directory or archive; None = the source's own
-    val_fraction: float = VAL_FRACTION
+    seq_len: int = DEFAULT_SEQ_LEN  # text
+    glob: str | None = None  # text: the documents of a directory or archive; None = the source's own
+    val_fraction: float = VAL_FRACTION  # text
+    num_classes: int | None = None  # labelled sources: labels must lie in [0, num_classes); None = max label + 1
+    image_size: int | None = None  # imagefolder: resize every image to image_size x image_size; None = one size
+    classes: tuple[str, ...] | None = None  # imagefolder: another split's class names, which number the labels
+    allow_missing_classes: bool = False  # imagefolder: this split may lack some of ``classes``
 
 
 DEFAULT_PACK = PackOptions()
@@ -45,9 +52,41 @@ def cls_bytes(label: int) -> bytes:
     return str(int(label)).encode()
 
 
-def png_bytes(pixels: np.ndarray) -> bytes:
-    from PIL import Image  # optional dependency (extra "shards")
+def pillow() -> ModuleType:
+    """``PIL.Image``, or a UserError with the install command (Pillow is an optional dependency)."""
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise MissingPackageError(f"images need Pillow, which is not installed ({err}); "
+                                  "hint: pip install pillow (or pip install 'hpctrain[shards]')") from err
+    return Image
 
+
+def check_labels(labels: Sequence[Any] | np.ndarray, where: Callable[[int], str], num_classes: int | None) -> int:
+    """Class ids for classification: whole numbers in ``[0, num_classes)`` (default: max + 1, so
+    only negatives can be out of range). A bad one is refused, named by ``where(i)``; returns the
+    class count. Whole-number floats (1.0, as CSV readers give) are class ids; 1.5 is not."""
+    y = np.asarray(labels)
+    if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise ShardError(f"labels must be one integer class id per sample; got dtype {y.dtype}, shape {y.shape} "
+                         f"(e.g. {where(0)}: {y.flat[0]!r}); hint: map class names to ids 0..C-1 first")
+    fractional = np.flatnonzero(~np.isfinite(y) | (y != np.round(y)) if y.dtype.kind == "f" else np.zeros(len(y), bool))
+    if len(fractional):
+        i = int(fractional[0])
+        raise ShardError(f"{where(i)} has label {y[i].item()!r}, not a whole number: classification needs class ids "
+                         f"0..C-1 ({len(fractional)} such labels); hint: regression targets are not supported; "
+                         "round or bin them into classes first")
+    count = num_classes if num_classes is not None else (int(y.max()) + 1 if len(y) else 0)
+    outside = np.flatnonzero((y < 0) | (y >= count))
+    if len(outside):
+        i = int(outside[0])
+        raise ShardError(f"{where(i)} has label {int(y[i])}, outside [0, {count}) ({len(outside)} such labels); "
+                         "hint: class ids run from 0 to num_classes - 1 (--num-classes sets the count)")
+    return count
+
+
+def png_bytes(pixels: np.ndarray) -> bytes:
+    Image = pillow()  # noqa: N806 - the module, named as PIL names it
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG", compress_level=1)  # fast to write, still lossless
     return buf.getvalue()

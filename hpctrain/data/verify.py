@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.data.errors import ShardError
-from hpctrain.data.manifest import BLOCK, data_dir, file_sha256, load_index, load_manifest, manifest_path, split_key
+from hpctrain.data.manifest import (
+    BLOCK,
+    LABEL_EXTS,
+    data_dir,
+    file_sha256,
+    load_index,
+    load_manifest,
+    manifest_path,
+    split_key,
+)
 
 _SHARD_NAME = re.compile(r"(?P<split>.+)-\d{6}\.tar")  # manifest.shard_name's pattern
 
@@ -29,13 +38,50 @@ class Problem:
 
 def verify(root: str | Path, split: str, *, deep: bool = True) -> list[Problem]:
     """Check every shard of a split against the manifest (size, sha256) and its index
-    (tar headers name the indexed keys at the indexed offsets; CRC-32 per sample)."""
+    (tar headers name the indexed keys at the indexed offsets; CRC-32 per sample; each label a
+    class of the manifest)."""
     root = Path(root)
     manifest = load_manifest(root, split)
     problems: list[Problem] = []
+    labels = label_spec(manifest)
     for shard in manifest["shards"]:
-        problems += verify_shard(root, shard, deep=deep, tars=data_dir(root, manifest))
+        problems += verify_shard(root, shard, deep=deep, tars=data_dir(root, manifest), labels=labels)
     return problems
+
+
+def label_spec(manifest: dict[str, Any]) -> tuple[str, int] | None:
+    """The label field and the class count that bounds it, when the manifest lists classes and
+    its labels are a field of their own (a label inside a .json record is the reader's to check)."""
+    classes = manifest.get("classes") or []
+    decode = manifest.get("decode") or {}
+    fields = manifest.get("fields") or []
+    field = decode.get("target") if "target" in decode else next((f for f in LABEL_EXTS if f in fields), None)
+    if not classes or field is None or decode.get("target_key"):
+        return None
+    return field, len(classes)
+
+
+def class_mismatches(root: str | Path, splits: list[str]) -> list[Problem]:
+    """Splits whose class list differs from the training split's: the same label would mean
+    another class there (an image folder's val split lacking a class, numbered by position)."""
+    root = Path(root)
+    if "train" not in splits:
+        return []
+    reference = load_manifest(root, "train").get("classes") or []
+    problems = []
+    for split in splits:
+        classes = load_manifest(root, split).get("classes") or []
+        if split != "train" and reference and classes and classes != reference:
+            problems.append(Problem(manifest_path(root, split).name, None,
+                                    f"classes {_shown(classes)} differ from train's {_shown(reference)}: a label "
+                                    "means another class in each split; hint: re-shard this split into the same "
+                                    "directory (image folders are numbered by train's class names), with "
+                                    "--allow-missing-classes if it lacks some"))
+    return problems
+
+
+def _shown(classes: list[str]) -> str:
+    return f"[{', '.join(map(str, classes[:6]))}{', ...' if len(classes) > 6 else ''}] ({len(classes)})"
 
 
 def unlisted_shards(root: str | Path) -> list[Problem]:
@@ -62,8 +108,10 @@ def unlisted_shards(root: str | Path) -> list[Problem]:
             for split, names in unlisted.items()]
 
 
-def verify_shard(root: Path, shard: dict[str, Any], *, deep: bool = True, tars: Path | None = None) -> list[Problem]:
-    """``tars``: the directory of the tar files when it is not ``root`` (see :func:`data_dir`)."""
+def verify_shard(root: Path, shard: dict[str, Any], *, deep: bool = True, tars: Path | None = None,
+                 labels: tuple[str, int] | None = None) -> list[Problem]:
+    """``tars``: the directory of the tar files when it is not ``root`` (see :func:`data_dir`);
+    ``labels``: the label field and class count to check each label against (:func:`label_spec`)."""
     path = (tars or root) / shard["name"]
     if not path.is_file():
         return [Problem(shard["name"], None, "file is missing")]
@@ -80,7 +128,7 @@ def verify_shard(root: Path, shard: dict[str, Any], *, deep: bool = True, tars: 
         return problems
     if file_sha256(path) != shard["sha256"]:
         problems.append(Problem(shard["name"], None, "sha256 differs from the manifest"))
-    problems += _check_samples(path, shard["name"], index)
+    problems += _check_samples(path, shard["name"], index, labels)
     return problems
 
 
@@ -91,7 +139,7 @@ def _first_beyond(index: dict[str, Any], size: int) -> str | None:
     return None
 
 
-def _check_samples(path: Path, name: str, index: dict[str, Any]) -> list[Problem]:
+def _check_samples(path: Path, name: str, index: dict[str, Any], labels: tuple[str, int] | None) -> list[Problem]:
     problems = []
     raw = path.read_bytes()
     fields = index["fields"]
@@ -104,8 +152,27 @@ def _check_samples(path: Path, name: str, index: dict[str, Any]) -> list[Problem
         if zlib.crc32(chunk) != index["crc32"][i]:
             problems.append(Problem(name, key, "CRC-32 differs from the index (corrupt bytes)"))
             continue
-        problems += _check_headers(raw, name, key, start, fields, index["offsets"][i])
+        found = _check_headers(raw, name, key, start, fields, index["offsets"][i])
+        if not found and labels is not None and labels[0] in fields:
+            j = fields.index(labels[0])
+            off, size = start + index["offsets"][i][2 * j], index["offsets"][i][2 * j + 1]
+            found = _check_label(raw[off : off + size], name, key, labels)
+        problems += found
     return problems
+
+
+def _check_label(data: bytes, name: str, key: str, labels: tuple[str, int]) -> list[Problem]:
+    """A label is a text integer in ``[0, classes)``, as the loader reads it."""
+    field, count = labels
+    text = data.decode("utf-8", "replace").strip()
+    try:
+        value = int(text)
+    except ValueError:
+        return [Problem(name, key, f"label .{field} is {text!r}, not an integer class id; hint: re-shard the data")]
+    if not 0 <= value < count:
+        return [Problem(name, key, f"label {value} is outside [0, {count}), the manifest's {count} classes; "
+                                   "hint: fix the labels (or the manifest's classes) and re-shard")]
+    return []
 
 
 def _check_headers(raw: bytes, name: str, key: str, start: int, fields: list[str], offsets: list[int]) -> list[Problem]:

@@ -17,7 +17,6 @@ numerically). Probabilities (a final ``softmax``) are not log-probabilities: a w
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from hpctrain.errors import UserError
+from hpctrain.section import load_import_path
 
 log = logging.getLogger("hpctrain")
 SUPPLIED = ("num_classes", "in_channels")  # the only arguments hpctrain can give a factory
@@ -41,15 +41,7 @@ def load_factory(name: str) -> Callable[..., Any]:
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise ModelError(f"model.name={name!r} must look like package.module:NAME")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 - any import-time failure of user code is the user's to fix
-        raise ModelError(f"model.name={name!r}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
-                         "hint: is the package on PYTHONPATH?") from err
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ModelError(f"model.name={name!r}: {module_name!r} has no {attr!r}")
-        obj = getattr(obj, part)
+    obj = load_import_path("model.name", name, ModelError)
     if not callable(obj):
         raise ModelError(f"model.name={name!r} is a {type(obj).__name__}, not a factory or nn.Module class")
     return obj

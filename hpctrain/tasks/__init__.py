@@ -14,12 +14,14 @@ if TYPE_CHECKING:
     from hpctrain.tasks.base import CrossEntropyTask, Task, select_keys
     from hpctrain.tasks.causal_lm import CausalLM, TokenMetrics
     from hpctrain.tasks.classification import Classification, masked_cross_entropy
+    from hpctrain.tasks.loss import training_loss
 
 __all__ = ["CausalLM", "Classification", "CrossEntropyTask", "Task", "TokenMetrics", "build_task",
-           "masked_cross_entropy", "resolve_task", "select_keys"]
+           "masked_cross_entropy", "resolve_task", "select_keys", "training_loss"]
 
 _LAZY = {"CrossEntropyTask": "base", "Task": "base", "select_keys": "base", "CausalLM": "causal_lm",
-         "TokenMetrics": "causal_lm", "Classification": "classification", "masked_cross_entropy": "classification"}
+         "TokenMetrics": "causal_lm", "Classification": "classification", "masked_cross_entropy": "classification",
+         "training_loss": "loss"}
 
 
 def __getattr__(name: str) -> Any:

@@ -187,9 +187,11 @@ class MemoryProbe:
             return
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         local = torch.tensor(astuple(mine), dtype=torch.int64, device=device)
-        gathered = torch.empty(dist.get_world_size() * 4, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(gathered, local)
-        rows = [MemoryBreakdown(*map(int, row)) for row in gathered.view(-1, 4).tolist()]
+        # all_gather (a list of tensors): all_gather_into_tensor warns (FutureWarning) in torch 2.13,
+        # and its successor all_gather_single does not exist in older torch
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        rows = [MemoryBreakdown(*map(int, row.tolist())) for row in gathered]
         if all(row.params >= 0 for row in rows):
             self.ranks = rows
         self.pending = self.ranks is None and self._tries < GATHER_TRIES

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from hpctrain.launch.slurm import SIGNALS
+from tests.dist_utils import ROOT
 from tests.slurm.cluster import FAST, JOB, SLOW, Up, job_field, job_logs, submit, summary, wait_finished, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -44,18 +47,37 @@ def _trained(run_dir: Path) -> int:
 def _signal_those_training(up: Up, waiting: dict[str, Job]) -> bool:
     """Send each job still waiting its signal once it has trained a few steps; True when none is left."""
     for sig, job in list(waiting.items()):
-        if _trained(job.run_dir) >= 10:
-            up.run("scancel", f"--signal={sig}", "--batch", job.job_id)
+        if (_script_trained if sig == "script" else _trained)(job.run_dir) >= 10:
+            up.run("scancel", f"--signal={'HUP' if sig == 'script' else sig}", "--batch", job.job_id)
             del waiting[sig]
     return not waiting
 
 
+def _submit_script(up: Up, run_dir: Path) -> str:
+    """A user's own script (examples/own_loop.py, hpctrain's Checkpointer inside) as `hpctrain slurm
+    --signal HUP ... -- SCRIPT ARGS` submits it: its checkpointer must follow the job's HUP."""
+    cmd = [sys.executable, "-m", "hpctrain", "slurm", "--nodes", "1", "--nproc-per-node", "1", "--time", "00:10:00",
+           "--max-requeues", "2", "--signal", "HUP", "--run-dir", str(run_dir), "--submit", "--",
+           "examples/own_loop.py", str(run_dir / "out"), "--pause", "0.05"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=up.env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.search(r"submitted job (\d+)", proc.stdout)
+    assert found, proc.stdout
+    return found.group(1)
+
+
+def _script_trained(run_dir: Path) -> int:
+    return 10 if (run_dir / "out" / "checkpoints" / "step-000000010" / "manifest.json").is_file() else 0
+
+
 @pytest.fixture(scope="module")
 def jobs(slurm: Up, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
-    """One job per signal, each preempted once while it trains, then left to finish."""
+    """One job per signal, each preempted once while it trains, then left to finish; and a user's
+    own script under --signal HUP."""
     root = tmp_path_factory.mktemp("signals")
     submitted = {sig: Job(root / sig, submit(slurm, root / sig, SLOW, "--nodes", "1", "--nproc-per-node", "1",
                                              "--signal", sig, config=TINY)) for sig in SIGNALS}
+    submitted["script"] = Job(root / "script", _submit_script(slurm, root / "script"))
     try:
         waiting = dict(submitted)
         wait_for(lambda: _signal_those_training(slurm, waiting), 300, f"jobs {sorted(waiting)} to train")
@@ -91,3 +113,15 @@ def test_each_signal_saves_requeues_and_resumes_bit_identical(jobs: dict[str, Jo
     got = summary(job.run_dir)
     assert got["steps"] == STEPS and got["world_size"] == 1
     assert got["params_sha256"] == reference_one_rank
+
+
+def test_a_users_script_is_preempted_requeued_and_finishes(jobs: dict[str, Job]) -> None:
+    """hpctrain slurm -- examples/own_loop.py with --signal HUP: the script's own checkpointer saves on
+    HUP (HPCTRAIN_SIGNALS), hpctrain run exits 3, the job requeues once and the script finishes,
+    validating every sample once."""
+    job = jobs["script"]
+    logs = job_logs(job.run_dir, job.job_id)
+    assert job.state == "COMPLETED" and job.restarts == "1", logs[-4000:]
+    assert "hpctrain: HUP at " in logs and "hpctrain: requeue 1 of 2" in logs, logs[-4000:]
+    result = json.loads([line for line in logs.splitlines() if line.startswith('{"accuracy"')][-1])
+    assert result["count"] == 188 and result["steps"] == 96  # 3 epochs x 512 / 16 at one rank
