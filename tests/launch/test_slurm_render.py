@@ -101,6 +101,13 @@ kill "-${1#--signal=}" "$(cat "$LOG.step")"
 """
 
 
+def _default_signals() -> None:
+    """As slurmd starts a batch shell: a signal ignored on entry (nohup ignores HUP; so would a
+    test runner started under it) cannot be trapped by a non-interactive bash."""
+    for name in ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGTERM"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signal_after: float | None = None,
                 max_requeues: int = 2, sig: str = "USR1") -> tuple[int, str]:
     bin_dir = tmp_path / "bin"
@@ -115,7 +122,8 @@ def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signa
     log.write_text("")
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SLURM_JOB_ID": "4242",
            "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_RESTART_COUNT": str(restarts), "STEP_EXIT": step_exit}
-    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=_default_signals)
     if signal_after is not None:
         deadline = time.monotonic() + 10
         while "srun" not in log.read_text() and time.monotonic() < deadline:
