@@ -73,6 +73,13 @@ def _write_beat(directory: Path, rank: int, pid: int, laps: int, phase: int, age
     heartbeat.beat_path(directory, rank).write_bytes(data.ljust(heartbeat._SIZE, b"\0"))
 
 
+def _wait_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while not watchdog.process_state(pid).startswith("stopped"):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.01)
+
+
 def test_the_laggard_is_named_and_every_rank_ended(tmp_path: Path, sleepers: list[subprocess.Popen[bytes]],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Three ranks all silent for 10 s: rank 1 has one lap fewer (the others wait for it in a
@@ -81,6 +88,7 @@ def test_the_laggard_is_named_and_every_rank_ended(tmp_path: Path, sleepers: lis
     beats.mkdir()
     monkeypatch.setattr(watchdog, "python_stacks", lambda _dir, rank: f"stacks of rank {rank.rank}")
     os.kill(sleepers[2].pid, signal.SIGSTOP)
+    _wait_stopped(sleepers[2].pid)
     for rank, laps in enumerate((21, 20, 21)):
         _write_beat(beats, rank, sleepers[rank].pid, laps, meter.DATA if rank == 1 else meter.FORWARD, age=10)
     dog = watchdog.Watchdog(beats, 5.0, run_dir, "t")
@@ -105,6 +113,7 @@ def test_a_tie_goes_to_the_stopped_rank_and_long_phases_get_more_time(
     _write_beat(tmp_path, 2, sleepers[2].pid, 30, heartbeat.STARTING, age=1000, done=0)  # start-up: never judged
     assert dog.check(time.monotonic()) is None
     os.kill(sleepers[1].pid, signal.SIGSTOP)
+    _wait_stopped(sleepers[1].pid)  # the kernel stops it asynchronously
     report = dog.check(time.monotonic() + 4)
     assert report is not None and report.laggard.rank == 1 and report.laggard.stopped
 
