@@ -15,29 +15,39 @@ Tensor parallelism (t) divides the split part and the scores; sequence paralleli
 divides the replicated part. Selective recompute drops the scores; full recompute keeps
 only each layer's input (e·sbh, /t under sequence parallelism) plus one layer's full set
 while it is recomputed. With a 1F1B pipeline the first stage holds p micro-batches of L/p
-layers: L layers' worth, whatever p is.
+layers: L layers' worth, whatever p is. With uneven stages each stage is counted on its own
+(stage i holds p - i micro-batches of its layers) and the largest is the peak.
 """
 
 from __future__ import annotations
 
 from hpctrain.errors import UserError
-from hpctrain.estimate.model import TransformerShape
+from hpctrain.estimate.model import TransformerShape, stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
 
 
 def layer_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
-                recompute: str = "none", element_bytes: int = 2, dropout: bool = True) -> float:
-    """Bytes one layer keeps for backward on one GPU (Korthikanti et al. 2022, table 2)."""
+                recompute: str = "none", element_bytes: int = 2, dropout: bool | None = None) -> float:
+    """Bytes one layer keeps for backward on one GPU (Korthikanti et al. 2022, table 2).
+
+    ``dropout`` None follows the shape's. Beyond the paper's GPT: K and V are kv_dim wide
+    (grouped-query attention); the MLP keeps 2 tensors of its width (GeLU input and output)
+    or 4 for SwiGLU (gate, silu(gate), up, their product: what eager PyTorch saves), times
+    top_k for a mixture of experts (each token passes through k experts)."""
     if recompute not in RECOMPUTE:
         raise UserError(f"--activation-checkpointing {recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    dropout = shape.dropout if dropout is None else dropout
     e, mask = element_bytes, (1 if dropout else 0)
-    sbh = shape.seq_len * micro_batch * shape.hidden
+    sb = shape.seq_len * micro_batch
+    sbh = sb * shape.hidden
     replicated_divisor = tp if sequence_parallel else 1
     if recompute == "full":
         return e * sbh / replicated_divisor
     replicated = (4 * e + 2 * mask) * sbh / replicated_divisor
-    split = 12 * e * sbh / tp
+    attention = e * sb * (2 * shape.hidden + 2 * shape.kv_dim)  # Q, K, V, projection input
+    mlp_tensors = 4 if shape.mlp == "swiglu" else 2
+    split = (attention + e * sb * shape.ffn * mlp_tensors * shape.top_k) / tp
     if recompute == "selective":
         return replicated + split
     # without dropout the softmax output is the only score tensor (no mask, no second copy)
@@ -46,23 +56,37 @@ def layer_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, seque
     return replicated + split + scores / tp
 
 
+def stage_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, pp: int = 1,
+                sequence_parallel: bool = False, recompute: str = "none", element_bytes: int = 2,
+                dropout: bool | None = None) -> list[float]:
+    """Peak activation bytes on each pipeline stage for one micro-batch size. Under 1F1B
+    stage i holds pp - i micro-batches of its own layers (the first holds pp, the last one),
+    so with even stages the first holds L layers' worth whatever pp is."""
+    kw = dict(tp=tp, sequence_parallel=sequence_parallel, element_bytes=element_bytes, dropout=dropout)
+    one = layer_bytes(shape, micro_batch, recompute=recompute, **kw)  # type: ignore[arg-type]
+    # the layer being recomputed holds its full set during its backward
+    recomputing = layer_bytes(shape, micro_batch, recompute="none", **kw) if recompute == "full" else 0.0  # type: ignore[arg-type]
+    dropout = shape.dropout if dropout is None else dropout
+    counts = stage_layers(shape.layers, pp)
+    return [(pp - i) * n * one + recomputing
+            + _ends_bytes(shape, micro_batch, tp=tp, pp=pp, stage=i, element_bytes=element_bytes, dropout=dropout)
+            for i, n in enumerate(counts)]
+
+
 def transformer_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, pp: int = 1,
                       sequence_parallel: bool = False, recompute: str = "none", element_bytes: int = 2,
-                      dropout: bool = True) -> float:
-    """Peak activation bytes on the busiest GPU (the first pipeline stage) for one micro-batch."""
-    kw = dict(tp=tp, sequence_parallel=sequence_parallel, element_bytes=element_bytes, dropout=dropout)
-    total = shape.layers * layer_bytes(shape, micro_batch, recompute=recompute, **kw)  # type: ignore[arg-type]
-    if recompute == "full":  # the layer being recomputed holds its full set during its backward
-        total += layer_bytes(shape, micro_batch, recompute="none", **kw)  # type: ignore[arg-type]
-    return total + _ends_bytes(shape, micro_batch, tp=tp, pp=pp, element_bytes=element_bytes, dropout=dropout)
+                      dropout: bool | None = None) -> float:
+    """Peak activation bytes on the busiest GPU (with even stages, the first) for one micro-batch."""
+    return max(stage_bytes(shape, micro_batch, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
+                           recompute=recompute, element_bytes=element_bytes, dropout=dropout))
 
 
-def _ends_bytes(shape: TransformerShape, micro_batch: int, *, tp: int, pp: int, element_bytes: int,
+def _ends_bytes(shape: TransformerShape, micro_batch: int, *, tp: int, pp: int, stage: int, element_bytes: int,
                 dropout: bool) -> float:
-    """Embedding dropout mask (p micro-batches in flight on stage 0) and, without a pipeline, the
-    output end on the same GPU: final norm and projection inputs (2e·sbh) and fp32 logits (4·sbV)."""
+    """The first stage: the embedding dropout mask (pp micro-batches in flight). The last: the
+    final norm and projection inputs (2e·sbh) and fp32 logits (4·sbV) of one micro-batch."""
     sbh = shape.seq_len * micro_batch * shape.hidden
-    total = (sbh * pp if dropout else 0) / tp
-    if pp == 1:
+    total = (sbh * pp if dropout and stage == 0 else 0) / tp
+    if stage == pp - 1:
         total += (2 * element_bytes * sbh + 4 * shape.seq_len * micro_batch * shape.vocab) / tp
     return total

@@ -10,7 +10,9 @@ Bytes per parameter (Rajbhandari et al. 2020, "ZeRO", section 3.1, K = 12 for Ad
 
 ZeRO-1 shards the optimizer state over the data-parallel group, ZeRO-2 also the
 gradients, ZeRO-3 and FSDP (full shard) also the weights. Tensor (t) and pipeline (p)
-parallelism split the parameters first: each GPU holds N/(t·p), sharded over dp.
+parallelism split the parameters first: each GPU holds N/(t·p) (with a shape, its pipeline
+stage's own count), sharded over dp. Expert parallelism (ep) splits a mixture's experts
+further, over ranks taken from the data-parallel group.
 """
 
 from __future__ import annotations
@@ -83,27 +85,40 @@ def check_strategy(strategy: str) -> str:
 
 
 def states_per_rank(params: float, layout: StateLayout, strategy: str, dp: int,
-                    model_parallel: int = 1) -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes on one GPU."""
-    local = params / model_parallel
+                    model_parallel: int = 1, *, expert_params: float = 0.0, ep: int = 1) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes on one GPU. ``expert_params`` (part of ``params``) are
+    split ``ep`` ways more by expert parallelism, which takes its ranks from the data-parallel
+    group, so ZeRO shards them over the dp / ep ranks that hold the same experts."""
+    dense = (params - expert_params) / model_parallel
+    experts = expert_params / (model_parallel * ep)
     sharded = _SHARDED[check_strategy(strategy)]
-    return tuple(local * per / (dp if part in sharded else 1)  # type: ignore[return-value]
-                 for part, per in (("weights", layout.weights), ("grads", layout.grads),
-                                   ("optimizer", layout.optimizer)))
+
+    def part_bytes(part: str, per_param: float) -> float:
+        if part not in sharded:
+            return (dense + experts) * per_param
+        return (dense / dp + experts / (dp // ep)) * per_param
+
+    return (part_bytes("weights", layout.weights), part_bytes("grads", layout.grads),
+            part_bytes("optimizer", layout.optimizer))
 
 
-def gathered_bytes(strategy: str, shape: TransformerShape | None, element_bytes: int, tp: int = 1) -> float:
+def gathered_bytes(strategy: str, shape: TransformerShape | None, element_bytes: int, tp: int = 1,
+                   ep: int = 1) -> float:
     """Unsharded weights and their gradients of the layers in flight, in the compute dtype."""
     if "weights" not in _SHARDED[strategy] or shape is None:
         return 0.0
-    return PREFETCHED_LAYERS * shape.layer_params / tp * element_bytes * 2
+    layer = shape.layer_params - (shape.experts * shape.expert_params * (1 - 1 / ep) if shape.experts > 1 else 0)
+    return PREFETCHED_LAYERS * layer / tp * element_bytes * 2
 
 
 def per_rank(params: float, strategy: str, *, dp: int, tp: int = 1, pp: int = 1, layout: StateLayout,
              shape: TransformerShape | None = None, element_bytes: int = 2,
-             activation_bytes: float | None = None) -> MemoryBreakdown:
-    weights, grads, optimizer = states_per_rank(params, layout, strategy, dp, tp * pp)
-    return MemoryBreakdown(strategy, weights, grads, optimizer, gathered_bytes(strategy, shape, element_bytes, tp),
+             activation_bytes: float | None = None, expert_params: float = 0.0, ep: int = 1) -> MemoryBreakdown:
+    """One GPU's bytes; ``params`` are the model's (split by tp x pp here) or, with ``pp=1``, one
+    pipeline stage's own."""
+    weights, grads, optimizer = states_per_rank(params, layout, strategy, dp, tp * pp, expert_params=expert_params,
+                                                ep=ep)
+    return MemoryBreakdown(strategy, weights, grads, optimizer, gathered_bytes(strategy, shape, element_bytes, tp, ep),
                            activation_bytes)
 
 

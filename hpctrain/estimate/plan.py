@@ -8,7 +8,7 @@ from typing import Any
 from hpctrain.errors import UserError
 from hpctrain.estimate import activations, flops, memory, reliability
 from hpctrain.estimate.hardware import PRECISIONS, Accelerator
-from hpctrain.estimate.model import TransformerShape
+from hpctrain.estimate.model import TransformerShape, stage_layers, stage_params
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,10 +24,13 @@ class Inputs:
     precision: str = "bf16"
     amp_layout: str = "master"
     mfu: float = 0.4
+    hfu: float | None = None  # hardware FLOPs utilisation; when given, the time comes from it, not from mfu
+    ep: int = 1  # expert parallelism (a mixture of experts)
     micro_batch: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
     gpu_mtbf_hours: float = reliability.DEFAULT_GPU_MTBF_HOURS
+    mtbf_source: str = reliability.FAILURE_PRESETS[reliability.DEFAULT_FAILURE_PRESET].source
     ckpt_gbps: float = reliability.DEFAULT_CKPT_GBPS
     shape: TransformerShape | None = None
     measured_activations: float | None = None  # bytes, from a meta-device forward
@@ -36,11 +39,14 @@ class Inputs:
     def __post_init__(self) -> None:
         _positive(("--params", self.params), ("--gpus", self.gpus), ("--tp", self.tp), ("--pp", self.pp),
                   ("--micro-batch", self.micro_batch), ("--mtbf-hours", self.gpu_mtbf_hours),
-                  ("--ckpt-bandwidth", self.ckpt_gbps))
+                  ("--ckpt-bandwidth", self.ckpt_gbps), ("--ep", self.ep))
         if self.tokens is not None:
             _positive(("--tokens", self.tokens))
         if not 0 < self.mfu <= 1:
             raise UserError(f"--mfu {self.mfu} must be a fraction in (0, 1], e.g. 0.4 for 40%")
+        if self.hfu is not None and not 0 < self.hfu <= 1:
+            raise UserError(f"--hfu {self.hfu} must be a fraction in (0, 1] (--achieved-tflops at most the "
+                            f"dense peak, {self.gpu.peak_flops(self.precision) / 1e12:g} TFLOP/s)")
         if self.precision not in PRECISIONS:
             raise UserError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         self.gpu.peak_flops(self.precision)  # fails on a precision the chip cannot run (fp8 on A100)
@@ -52,16 +58,27 @@ class Inputs:
         self._check_shape()
 
     def _check_shape(self) -> None:
+        if self.ep > 1 and (self.shape is None or self.shape.experts == 1):
+            raise UserError(f"--ep {self.ep} needs a mixture of experts: give --experts (and a shape) or --hf-config")
+        if self.dp % self.ep:
+            raise UserError(f"--ep {self.ep} must divide the data-parallel degree {self.dp} "
+                            "(expert parallelism takes its ranks from data parallelism)")
         if self.shape is None:
             return
         if self.shape.heads % self.tp:
             raise UserError(f"--tp {self.tp} must divide --heads {self.shape.heads} (heads are split across TP ranks)")
-        if self.shape.layers % self.pp:
-            raise UserError(f"--pp {self.pp} must divide --layers {self.shape.layers} (layers per pipeline stage)")
+        if self.shape.experts % self.ep:
+            raise UserError(f"--ep {self.ep} must divide --experts {self.shape.experts} (whole experts per rank)")
+        stage_layers(self.shape.layers, self.pp)  # at least one layer per stage; uneven stages are fine
 
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp)
+
+    @property
+    def active_params(self) -> float:
+        """Parameters a token uses (a mixture's active share of ``params``)."""
+        return self.params if self.shape is None else self.params * self.shape.active_params / self.shape.params
 
 
 def _positive(*pairs: tuple[str, float]) -> None:
@@ -73,9 +90,9 @@ def _positive(*pairs: tuple[str, float]) -> None:
 def estimate(inp: Inputs) -> dict[str, Any]:
     layout = memory.layout_for(inp.precision, inp.amp_layout)
     return {
-        "model": {"params": inp.params, "source": inp.source,
+        "model": {"params": inp.params, "active_params": inp.active_params, "source": inp.source,
                   "shape": None if inp.shape is None else vars(inp.shape)},
-        "parallel": {"gpus": inp.gpus, "dp": inp.dp, "tp": inp.tp, "pp": inp.pp,
+        "parallel": {"gpus": inp.gpus, "dp": inp.dp, "tp": inp.tp, "pp": inp.pp, "ep": inp.ep,
                      "sequence_parallel": inp.sequence_parallel},
         "compute": _compute(inp),
         "memory": _memory(inp, layout),
@@ -83,42 +100,98 @@ def estimate(inp: Inputs) -> dict[str, Any]:
     }
 
 
+def _flops(inp: Inputs, tokens: float) -> tuple[float, float, float | None, str]:
+    """(6ND from the active parameters, model FLOPs, counted FLOPs or None, where the model FLOPs came from)."""
+    six_nd = flops.training_flops(inp.active_params, tokens)
+    if inp.counted_flops_per_sample is not None:
+        counted = inp.counted_flops_per_sample * tokens
+        return six_nd, counted, counted, "counted FLOPs"
+    if inp.shape is not None:
+        return six_nd, six_nd + flops.attention_flops(inp.shape, tokens), None, "6ND + attention"
+    return six_nd, six_nd, None, "6ND"
+
+
 def _compute(inp: Inputs) -> dict[str, Any] | None:
     if inp.tokens is None:
         return None
-    total = flops.training_flops(inp.params, inp.tokens)
-    counted = None if inp.counted_flops_per_sample is None else inp.counted_flops_per_sample * inp.tokens
+    six_nd, model, counted, source = _flops(inp, inp.tokens)
+    if counted is not None:  # a full recompute runs the forward again: about a third of forward+backward
+        hardware = model * (4 / 3 if inp.recompute == "full" else 1)
+    else:
+        hardware = model + flops.recompute_flops(inp.shape, inp.active_params, inp.tokens, inp.recompute)
     peak = inp.gpu.peak_flops(inp.precision)
-    seconds = flops.wall_seconds(total if counted is None else counted, inp.gpus, peak, inp.mfu)
-    return {"tokens": inp.tokens, "flops": total, "pf_days": flops.pf_days(total),
-            "flops_with_attention": None if inp.shape is None else total + flops.attention_flops(inp.shape, inp.tokens),
-            "flops_counted": counted, "time_from": "6ND" if counted is None else "counted FLOPs",
-            "gpu": inp.gpu.name, "precision": inp.precision, "peak_tflops_per_gpu": peak / 1e12, "mfu": inp.mfu,
+    if inp.hfu is not None:
+        hfu, mfu, util_from = inp.hfu, inp.hfu * model / hardware, "--hfu"
+    else:
+        mfu, hfu, util_from = inp.mfu, inp.mfu * hardware / model, "--mfu"
+    if hfu > 1:
+        raise UserError(f"--mfu {mfu} with {inp.recompute} recomputation means {hfu:.0%} hardware FLOPs "
+                        "utilisation; lower --mfu")
+    seconds = flops.wall_seconds(model, inp.gpus, peak, mfu)
+    return {"tokens": inp.tokens, "flops": six_nd, "pf_days": flops.pf_days(six_nd),
+            "flops_with_attention": None if inp.shape is None else model, "flops_counted": counted,
+            "model_flops": model, "hardware_flops": hardware, "time_from": source, "utilisation_from": util_from,
+            "recompute": inp.recompute, "gpu": inp.gpu.name, "precision": inp.precision,
+            "peak_tflops_per_gpu": peak / 1e12, "mfu": mfu, "hfu": hfu,
+            "model_tflops_per_gpu": mfu * peak / 1e12, "hardware_tflops_per_gpu": hfu * peak / 1e12,
+            "tokens_per_second": inp.tokens / seconds, "tokens_per_second_per_gpu": inp.tokens / seconds / inp.gpus,
             "wall_seconds": seconds, "wall_days": seconds / 86_400, "gpu_hours": seconds * inp.gpus / 3600}
 
 
-def _activation_bytes(inp: Inputs) -> tuple[float | None, str]:
+@dataclass(frozen=True)
+class _Stage:
+    """What one pipeline stage's GPU holds before tp splits it: its parameters (experts among
+    them) and its activations."""
+
+    index: int
+    layers: int | None
+    params: float
+    expert_params: float
+    activations: float | None
+
+
+def _stages(inp: Inputs) -> tuple[list[_Stage], str]:
+    """Every pipeline stage with a shape (uneven ones allowed); one even share of ``params`` without."""
     e = memory.compute_bytes(inp.precision)
-    if inp.shape is not None:
-        value = activations.transformer_bytes(inp.shape, inp.micro_batch, tp=inp.tp, pp=inp.pp,
-                                              sequence_parallel=inp.sequence_parallel, recompute=inp.recompute,
-                                              element_bytes=e)
-        return value, "Korthikanti et al. 2022 (transformer shape)"
-    if inp.measured_activations is not None:
-        return inp.measured_activations, "tensors saved for backward in a meta-device forward"
-    return None, "unknown: give a transformer shape (--layers ...) or --model"
+    if inp.shape is None:
+        measured, method = ((inp.measured_activations, "tensors saved for backward in a meta-device forward")
+                            if inp.measured_activations is not None
+                            else (None, "unknown: give a transformer shape (--layers ...) or --model"))
+        return [_Stage(0, None, inp.params / inp.pp, 0.0, measured)], method
+    shape, scale = inp.shape, inp.params / inp.shape.params  # scale: an explicit --params wins over the shape's
+    acts = activations.stage_bytes(shape, inp.micro_batch, tp=inp.tp, pp=inp.pp,
+                                   sequence_parallel=inp.sequence_parallel, recompute=inp.recompute, element_bytes=e)
+    expert_layer = shape.experts * shape.expert_params if shape.experts > 1 else 0
+    stages = [_Stage(i, n, held * scale, n * expert_layer * scale, a) for i, (n, held, a) in
+              enumerate(zip(stage_layers(shape.layers, inp.pp), stage_params(shape, inp.pp), acts, strict=True))]
+    return stages, "Korthikanti et al. 2022 (transformer shape)"
+
+
+def _largest(inp: Inputs, strategy: str, layout: memory.StateLayout,
+             stages: list[_Stage]) -> tuple[memory.MemoryBreakdown, _Stage]:
+    """The stage whose GPU needs the most memory under ``strategy``: what each GPU must hold."""
+    e = memory.compute_bytes(inp.precision)
+    rows = [(memory.per_rank(st.params, strategy, dp=inp.dp, tp=inp.tp, layout=layout, shape=inp.shape,
+                             element_bytes=e, activation_bytes=st.activations, expert_params=st.expert_params,
+                             ep=inp.ep), st) for st in stages]
+    return max(rows, key=lambda row: row[0].total)
 
 
 def _memory(inp: Inputs, layout: memory.StateLayout) -> dict[str, Any]:
-    acts, method = _activation_bytes(inp)
-    e = memory.compute_bytes(inp.precision)
-    rows = {s: memory.per_rank(inp.params, s, dp=inp.dp, tp=inp.tp, pp=inp.pp, layout=layout, shape=inp.shape,
-                               element_bytes=e, activation_bytes=acts) for s in memory.STRATEGIES}
+    stages, method = _stages(inp)
+    largest = {s: _largest(inp, s, layout, stages) for s in memory.STRATEGIES}
+    rows = {s: row for s, (row, _) in largest.items()}
     capacity = inp.gpu.memory_bytes
+    pipeline = None
+    if inp.shape is not None and inp.pp > 1:
+        st = largest[inp.strategy or memory.smallest_fit(rows, capacity) or "ddp"][1]
+        pipeline = {"stage_layers": [s.layers for s in stages], "largest_stage": st.index,
+                    "largest_stage_layers": st.layers}
     return {"layout": layout.name, "bytes_per_param": layout.weights + layout.grads + layout.optimizer,
             "gpu_memory_bytes": capacity, "micro_batch": inp.micro_batch, "activation_checkpointing": inp.recompute,
-            "activations_method": method,
-            "strategies": {s: {**b.as_dict(), "fits": b.total <= capacity} for s, b in rows.items()},
+            "activations_method": method, "pipeline": pipeline,
+            "strategies": {s: {**b.as_dict(), "fits": b.total <= capacity, "stage": largest[s][1].index}
+                           for s, b in rows.items()},
             "selected": inp.strategy, "smallest_fit": memory.smallest_fit(rows, capacity)}
 
 
@@ -130,7 +203,8 @@ def _checkpointing(inp: Inputs, layout: memory.StateLayout) -> dict[str, Any]:
     return {
         "checkpoint": {"bytes": size, "bytes_per_param": layout.checkpoint,
                        "bandwidth_bytes_per_s": inp.ckpt_gbps * 1e9, "write_seconds": save},
-        "reliability": {"gpu_mtbf_hours": inp.gpu_mtbf_hours, "gpus": inp.gpus, "cluster_mtbf_hours": mtbf_h,
+        "reliability": {"gpu_mtbf_hours": inp.gpu_mtbf_hours, "mtbf_source": inp.mtbf_source, "gpus": inp.gpus,
+                        "cluster_mtbf_hours": mtbf_h,
                         "young_daly_seconds": interval,
                         "overhead_fraction": reliability.overhead_fraction(save, interval, mtbf_h * 3600)},
     }

@@ -43,11 +43,15 @@ def render(result: dict[str, Any]) -> str:
 
 
 def _header(r: dict[str, Any]) -> list[str]:
-    par, params = r["parallel"], r["model"]["params"]
-    return [f"model: {count(params)} parameters ({params:,.0f}) from {r['model']['source']}",
-            f"job:   {par['gpus']} GPU{'s' if par['gpus'] > 1 else ''} = "
-            f"dp {par['dp']} x tp {par['tp']} x pp {par['pp']}"
-            + (" (sequence parallel)" if par["sequence_parallel"] else "")]
+    par, m = r["parallel"], r["model"]
+    params, active = m["params"], m["active_params"]
+    lines = [f"model: {count(params)} parameters ({params:,.0f}) from {m['source']}"]
+    if active != params:
+        lines.append(f"       {count(active)} active per token ({active:,.0f}): a mixture of experts")
+    return lines + [f"job:   {par['gpus']} GPU{'s' if par['gpus'] > 1 else ''} = "
+                    f"dp {par['dp']} x tp {par['tp']} x pp {par['pp']}"
+                    + (f" (ep {par['ep']} within dp)" if par["ep"] > 1 else "")
+                    + (" (sequence parallel)" if par["sequence_parallel"] else "")]
 
 
 def _compute(c: dict[str, Any] | None) -> list[str]:
@@ -55,13 +59,21 @@ def _compute(c: dict[str, Any] | None) -> list[str]:
         return ["", "compute", _line("training FLOPs", "give --tokens")]
     lines = ["", "compute", _line("tokens", count(c["tokens"])),
              _line("training FLOPs (6ND)", f"{c['flops']:.3g}"), _line("PF-days", number(c["pf_days"]))]
-    if c["flops_with_attention"] is not None:
-        lines.append(_line("FLOPs incl. attention", f"{c['flops_with_attention']:.3g}"))
     if c["flops_counted"] is not None:
-        lines.append(_line("FLOPs counted (meta forward)", f"{c['flops_counted']:.3g} (used for the wall time)"))
+        lines.append(_line("FLOPs counted (meta forward)", f"{c['flops_counted']:.3g} (the model FLOPs)"))
+    elif c["flops_with_attention"] is not None:
+        lines.append(_line("model FLOPs (+ attention)", f"{c['flops_with_attention']:.3g}"))
+    if c["hardware_flops"] != c["model_flops"]:
+        lines.append(_line("hardware FLOPs (+ recompute)", f"{c['hardware_flops']:.3g}"))
     peak = f"{c['gpu']} {c['precision']} {c['peak_tflops_per_gpu']:,.1f} TFLOP/s dense"
+    given = "mfu" if c["utilisation_from"] == "--mfu" else "hfu"
     return lines + [_line("peak per GPU", peak),
-                    _line(f"wall time at {c['mfu']:.0%} MFU", f"{duration(c['wall_seconds'])} "
+                    _line("MFU / HFU", f"{c['mfu']:.1%} / {c['hfu']:.1%} ({given} given; "
+                                       f"{c['model_tflops_per_gpu']:,.0f} / {c['hardware_tflops_per_gpu']:,.0f} "
+                                       "TFLOP/s per GPU)"),
+                    _line("tokens/s", f"{number(c['tokens_per_second'])} "
+                                      f"({number(c['tokens_per_second_per_gpu'])} per GPU)"),
+                    _line(f"wall time at {c[given]:.0%} {given.upper()}", f"{duration(c['wall_seconds'])} "
                           f"({number(c['gpu_hours'])} GPU-hours)")]
 
 
@@ -78,7 +90,10 @@ def _memory(m: dict[str, Any]) -> list[str]:
         mark = "*" if name == m["selected"] else " "
         lines.append(f"{mark} {name:<9}{cells}{'yes' if row['fits'] else 'no':>16}")
     fit = m["smallest_fit"] or "none: add GPUs, raise --tp/--pp, or checkpoint activations"
-    lines += [_line("activations", m["activations_method"]), _line("smallest strategy that fits", fit)]
+    lines += [_line("activations", m["activations_method"])]
+    if m["pipeline"]:
+        lines.append(_line("pipeline stages (layers)", _stages(m["pipeline"])))
+    lines.append(_line("smallest strategy that fits", fit))
     if m["selected"]:
         row = rows[m["selected"]]
         verdict = "fits" if row["fits"] else "does NOT fit"
@@ -86,12 +101,25 @@ def _memory(m: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _stages(pipe: dict[str, Any]) -> str:
+    """'7, 8 x14, 7: per GPU, the largest (stage 1, 8 layers)': runs of equal stages folded."""
+    runs: list[list[int]] = []
+    for n in pipe["stage_layers"]:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    text = ", ".join(f"{n}" if k == 1 else f"{n} x{k}" for n, k in runs)
+    return (f"{text}; memory per GPU is the largest stage's (stage {pipe['largest_stage']}, "
+            f"{pipe['largest_stage_layers']} layers)")
+
+
 def _checkpoint(r: dict[str, Any]) -> list[str]:
     ck, rel = r["checkpoint"], r["reliability"]
     return ["", "checkpointing",
             _line("checkpoint size", f"{size(ck['bytes'])} ({ck['bytes_per_param']:g} B/param, no gradients)"),
             _line(f"write time at {ck['bandwidth_bytes_per_s'] / 1e9:g} GB/s", duration(ck["write_seconds"])),
-            _line("MTBF per GPU", f"{rel['gpu_mtbf_hours']:,.0f} h"),
+            _line("MTBF per GPU", f"{rel['gpu_mtbf_hours']:,.0f} h, {rel['mtbf_source']}"),
             _line(f"cluster MTBF ({rel['gpus']} GPU{'s' if rel['gpus'] > 1 else ''})",
                   duration(rel["cluster_mtbf_hours"] * 3600)),
             _line("Young-Daly interval", f"{duration(rel['young_daly_seconds'])} = sqrt(2 x save x MTBF)"),
