@@ -1,6 +1,7 @@
 """examples/own_loop.py, a user's loop from the public parts only, run as users run it (torchrun,
-2 gloo ranks): exact validation of every sample once, SIGKILL then the same command again resumes
-bit for bit, and a preemption signal ends in a committed save and exit 3, then resumes bit for bit."""
+2 gloo ranks) and under `hpctrain run`: exact validation of every sample once; a preemption signal
+ends in a committed save and exit 3, SIGKILL loses nothing committed, and the same command resumes
+bit for bit after each."""
 
 from __future__ import annotations
 
@@ -57,21 +58,6 @@ def test_own_loop_validates_every_sample_once(reference: dict) -> None:
     assert reference["accuracy"] > 0.8  # two separable blobs
 
 
-def test_own_loop_sigkill_then_resume_is_bit_identical(tmp_path: Path, reference: dict) -> None:
-    run = tmp_path / "run"
-    proc = _start(run, "--pause", "0.05")
-    _wait_for(run / "checkpoints" / "step-000000010" / "manifest.json", proc)
-    victims = _descendants(proc.pid)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and everything it started, as the OOM killer would
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
-    code, out = _finish(_start(run))
-    assert code == 0, out[-3000:]
-    assert _result(out) | {"samples_per_s": None} == reference | {"samples_per_s": None}
-
-
 def _start_hpctrain_run(run: Path, *extra: str) -> subprocess.Popen[str]:
     """The same script through `hpctrain run -n 2 python SCRIPT.py ARGS` (what hpctrain slurm's job runs)."""
     cmd = [sys.executable, "-m", "hpctrain", "run", "-n", "2", "--hang-timeout", "60", "python", str(EXAMPLE),
@@ -80,16 +66,30 @@ def _start_hpctrain_run(run: Path, *extra: str) -> subprocess.Popen[str]:
                             cwd=ROOT, start_new_session=True)
 
 
-def test_own_loop_preempted_exits_3_then_resumes_bit_identical(tmp_path: Path, reference: dict) -> None:
+def _sigkill_all(proc: subprocess.Popen[str]) -> None:
+    """The launcher and everything it started, as the OOM killer would."""
+    victims = _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+
+def test_own_loop_preempted_then_sigkilled_resumes_bit_identical(tmp_path: Path, reference: dict) -> None:
     """A user's script under `hpctrain run`: SIGUSR1 to the launcher (as Slurm's trap forwards it)
-    reaches both ranks, they save the same step, and the launcher exits with exactly 3 (the
-    ranks recorded their preemption save); the same command again resumes bit for bit."""
+    reaches both ranks, they save the same step, and the launcher exits with exactly 3 (the ranks
+    recorded their preemption save). The same command resumes; SIGKILLed after its next save, it
+    resumes again from that one, and ends bit for bit as the uninterrupted torchrun run."""
     run = tmp_path / "run"
     proc = _start_hpctrain_run(run, "--pause", "0.05")
     _wait_for(run / "checkpoints" / "step-000000010" / "manifest.json", proc)
     os.kill(proc.pid, signal.SIGUSR1)
     code, out = _finish(proc)
     assert code == 3, out[-3000:]
+    proc = _start_hpctrain_run(run, "--pause", "0.05")
+    _wait_for(run / "checkpoints" / "step-000000020" / "manifest.json", proc)
+    _sigkill_all(proc)
     code, out = _finish(_start_hpctrain_run(run))
     assert code == 0, out[-3000:]
     assert _result(out) | {"samples_per_s": None} == reference | {"samples_per_s": None}

@@ -71,7 +71,7 @@ def command(procs: int, module: str, args: list[str], torchrun: bool) -> list[st
     if not torchrun:
         return [sys.executable, "-m", module, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
-            "--monitor-interval=0.5", "-m", module, *args]
+            "--monitor-interval=0.1", "-m", module, *args]
 
 
 def launch(cmd: list[str], log: Path) -> None:

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from hpctrain.checkpoint import layout, tensorfile
 from hpctrain.checkpoint.state import (
@@ -45,6 +44,7 @@ from hpctrain.checkpoint.state import (
     rank_file,
 )
 from hpctrain.env import ClusterEnv
+from hpctrain.parallel.wrappers import is_dtensor, local_part
 
 log = logging.getLogger("hpctrain")
 
@@ -86,8 +86,10 @@ class Stager:
         return copy.deepcopy(obj)
 
     def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
-        if isinstance(tensor, DTensor):  # a shard (FSDP, TP): stage this rank's part, keep its place
-            local = self._copy(tensor.to_local().detach(), path)
+        if is_dtensor(tensor):  # a shard (FSDP, TP): stage this rank's part, keep its place
+            from torch.distributed.tensor import DTensor
+
+            local = self._copy(local_part(tensor).detach(), path)
             return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
                                       shape=tensor.shape, stride=tensor.stride())
         src = tensor.detach()
@@ -103,7 +105,7 @@ class Stager:
 def storage_ptr(tensor: torch.Tensor) -> int:
     """Where the tensor's bytes live on this rank: a DTensor's local shard (its own
     ``data_ptr()`` is 0 for every DTensor)."""
-    return (tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor).data_ptr()
+    return local_part(tensor).detach().data_ptr()
 
 
 def to_cpu(tree: Any) -> Any:

@@ -13,11 +13,12 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from hpctrain.parallel.wrappers import is_dtensor
 
 
 def _group_key(grad: torch.Tensor) -> object:
-    return (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+    return (grad.device_mesh, grad.placements) if is_dtensor(grad) else None
 
 
 def total_grad_norm(parameters: Iterable[torch.Tensor], *, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -29,7 +30,7 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], *, pp_group: dist.Proces
     squares = torch.zeros((), dtype=torch.float32)
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(norm, DTensor):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         squares = squares.to(norm.device) + norm.float() ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
@@ -49,5 +50,5 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *,
         grad = p.grad
         assert grad is not None
         # DTensor gradients multiply by a plain number: a 0-dim plain tensor would mix types.
-        grad.mul_(coef.to(grad.device) if not isinstance(grad, DTensor) else float(coef))
+        grad.mul_(coef.to(grad.device) if not is_dtensor(grad) else float(coef))
     return norm

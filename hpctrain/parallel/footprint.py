@@ -18,13 +18,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from hpctrain.parallel.wrappers import local_part as _local
 
 StorageKey = tuple[str, int]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def storage_key(tensor: torch.Tensor) -> StorageKey | None:

@@ -13,7 +13,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -35,6 +34,8 @@ def materialize(model: nn.Module, *, device: torch.device, factory: Callable[[],
     if rank0:
         torch.manual_seed(seed)
         full = factory()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s: FSDP only
+
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
     _broadcast_other_buffers(model, full, device)

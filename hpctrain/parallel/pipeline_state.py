@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from hpctrain.checkpoint import dcp_read
 from hpctrain.checkpoint.state import CheckpointMismatchError
 from hpctrain.parallel.pipeline import PipelineStep
-from hpctrain.parallel.state import FLAT, ShardedState, optimizer_flattened
+from hpctrain.parallel.state import ShardedState, flat, optimizer_flattened
 
 _OPTIM_SECTIONS = ("state", "param_groups")
 
@@ -35,7 +35,7 @@ def _global_optim_key(step: PipelineStep, key: str) -> str:
 def pipeline_state(step: PipelineStep, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` of this rank's stage(s), whole-model names; live
     tensors (DTensor shards under FSDP), no copies. Every rank of the stage's dp group calls it."""
-    model_sd, optim_sd = get_state_dict(step.model, optimizer, options=FLAT)
+    model_sd, optim_sd = get_state_dict(step.model, optimizer, options=flat())
     return {"model": {step.global_name(k): v for k, v in model_sd.items()},
             "optimizer": {_global_optim_key(step, k): v for k, v in optim_sd.items()}}
 
@@ -44,14 +44,14 @@ def load_pipeline_state(step: PipelineStep, optimizer: torch.optim.Optimizer, pa
                         group: dist.ProcessGroup | None) -> None:
     """Read this rank's names from the DCP checkpoint at ``path`` (saved at any pp / dp degree,
     by :func:`pipeline_state`) into the stage(s) and the optimizer."""
-    model_sd, optim_sd = get_state_dict(step.model, optimizer, options=FLAT)
+    model_sd, optim_sd = get_state_dict(step.model, optimizer, options=flat())
     model_names = {step.global_name(k): k for k in model_sd}
     optim_names = {_global_optim_key(step, k): k for k in optim_sd}
     model_global: dict[str, Any] = {g: model_sd[k] for g, k in model_names.items()}
     optim_global: dict[str, Any] = {g: optim_sd[k] for g, k in optim_names.items()}
     # DCP loads tensors in place and replaces the other values in these dicts
     dcp_read.load({"model": model_global, "optimizer": optim_global}, path, process_group=group)
-    set_state_dict(step.model, optimizer, options=FLAT,
+    set_state_dict(step.model, optimizer, options=flat(),
                    model_state_dict={k: model_global[g] for g, k in model_names.items()},
                    optim_state_dict={k: optim_global[g] for g, k in optim_names.items()})
 

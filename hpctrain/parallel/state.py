@@ -9,19 +9,32 @@ torch.distributed.checkpoint), gives its state for that format, and loads either
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from hpctrain.checkpoint import dcp_read
 from hpctrain.checkpoint.state import CheckpointMismatchError
 from hpctrain.checkpoint.writer import storage_ptr
 from hpctrain.parallel.wrappers import unwrap
 
-# the optimizer saved flattened: one entry per parameter name, so any split of the model reads its own names
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+
+def dcp_api() -> ModuleType:
+    """torch's DCP state-dict API, imported on first use: DTensor and sympy come with it, 0.8 s
+    of every rank's start-up that a run which never saves in DCP format (DDP, one process) skips."""
+    import torch.distributed.checkpoint.state_dict as api
+
+    return api
+
+
+def flat() -> StateDictOptions:
+    """The optimizer saved flattened: one entry per parameter name, so any split of the model
+    reads its own names."""
+    return dcp_api().StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _mismatch(source: Any, err: Exception) -> CheckpointMismatchError:
@@ -65,7 +78,7 @@ class WholeState:
     def sharded_state_dict(self) -> dict[str, Any]:
         """Model and optimizer for DCP under the whole model's names, the optimizer flattened to one
         entry per name, so any split of the model (fsdp at any world size, pp x dp, one process) reads it."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=FLAT)
+        model_sd, optim_sd = dcp_api().get_state_dict(self.model, self.optimizer, options=flat())
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any], source: Any = None) -> None:
@@ -78,10 +91,13 @@ class WholeState:
 
     def load_sharded(self, path: str, group: Any) -> None:
         """A format=dcp checkpoint (saved at any world size, by any split of the model)."""
-        options = StateDictOptions(flatten_optimizer_state_dict=optimizer_flattened(path))
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        from hpctrain.checkpoint import dcp_read
+
+        api = dcp_api()
+        options = api.StateDictOptions(flatten_optimizer_state_dict=optimizer_flattened(path))
+        model_sd, optim_sd = api.get_state_dict(self.model, self.optimizer, options=options)
         dcp_read.load({"model": model_sd, "optimizer": optim_sd}, path, process_group=group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+        api.set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=options)
 
     def live_tensors(self) -> dict[str, torch.Tensor] | None:
@@ -127,8 +143,9 @@ class ShardedState(WholeState):
                 "state": {names[int(i)]: value for i, value in saved["state"].items()},
                 "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
                                  for group in saved["param_groups"]]}
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim,
-                           options=StateDictOptions(full_state_dict=True))
+            api = dcp_api()
+            api.set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim,
+                               options=api.StateDictOptions(full_state_dict=True))
         except (RuntimeError, ValueError, KeyError, IndexError) as err:  # another model's checkpoint: bad input
             raise _mismatch(source, err) from err
 
@@ -139,5 +156,7 @@ class ShardedState(WholeState):
 def optimizer_flattened(path: str) -> bool:
     """Did the save flatten the optimizer (``optimizer.param_groups.<name>.<key>`` entries)?
     Checkpoints written before it was saved flattened load too."""
+    from hpctrain.checkpoint import dcp_read
+
     names = dcp_read.read_metadata(path).state_dict_metadata
     return any(name.startswith("optimizer.param_groups.") for name in names)

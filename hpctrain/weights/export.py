@@ -33,10 +33,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hpctrain.checkpoint import layout, tensorfile
 from hpctrain.errors import RunError, UserError
+from hpctrain.parallel.wrappers import is_dtensor
 from hpctrain.rundir import ParamsHash, atomic_open, clean_name
 
 SUFFIXES = (".pt", ".safetensors")
@@ -309,7 +309,7 @@ def _gathered(values: Iterable[torch.Tensor], is_main: bool, live: LiveBytes) ->
 
 
 def _whole(value: torch.Tensor, is_main: bool, live: LiveBytes) -> torch.Tensor | None:
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         mesh_device = value.device_mesh.device_type
         # CPU-offloaded shards: the collective runs on the mesh's device
         on_mesh: Any = value.to(mesh_device) if value.device.type != mesh_device else value

@@ -1,4 +1,5 @@
-"""Kill real 2-rank runs (torchrun, gloo) and resume them: final weights must be bit-identical.
+"""Kill and signal real 2-rank runs (`hpctrain run`, torchrun's agent, gloo) and resume them: final
+weights must be bit-identical.
 
 Each run is a subprocess; steps are slowed to ~20 ms (tests.ckpt_models:slow_mlp) so a
 signal lands mid-epoch. Epochs have 32 steps; runs are 2 epochs.
@@ -27,11 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGS = SLOW_RUN_ARGS
 TIMEOUT = 120
 _env = launch_env
-
-
-def _torchrun(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "--monitor-interval=0.2", "-m", "hpctrain", "train", *ARGS, f"run.dir={run_dir}", *extra]
 
 
 def _hpctrain_run(run_dir: Path, *extra: str) -> list[str]:
@@ -91,23 +87,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _params(root / "run")
 
 
-def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path: Path, reference: str) -> None:
-    run_dir = tmp_path / "run"
-    kill_at = random.Random().randint(6, 28) + 32 * random.Random().randint(0, 1)  # mid-epoch, either epoch
-    proc = _start(_torchrun(run_dir, "checkpoint.every_steps=4"))
-    _wait_for_step(run_dir, kill_at, proc)
-    for pid in [*_workers(proc.pid), proc.pid]:  # ranks and agent (torchrun gives ranks their own session)
-        os.kill(pid, signal.SIGKILL)  # nothing gets to clean up, as on a node failure
-    proc.communicate()
-    assert not (run_dir / "summary.json").exists()
-    saved = [s for s, _ in layout.committed(run_dir / "checkpoints")]
-    assert saved and saved[-1] < 64, saved
-    code, out = _run(_torchrun(run_dir, "checkpoint.every_steps=4"))
-    assert code == 0, out[-4000:]
-    assert f"resumed from {run_dir / 'checkpoints' / layout.step_name(saved[-1])}" in out
-    assert _params(run_dir) == reference, f"killed at step ~{kill_at}, resumed from {saved[-1]}"
-
-
 def test_sigusr1_to_one_rank_saves_within_a_step_and_resumes_bit_identical(tmp_path: Path, reference: str) -> None:
     run_dir = tmp_path / "run"
     dcp = "checkpoint.format=dcp"  # sharded writer: every rank writes through torch.distributed.checkpoint
@@ -144,16 +123,39 @@ def test_sigusr1_to_one_rank_saves_within_a_step_and_resumes_bit_identical(tmp_p
     assert summary["steps"] == saved[0] + 3 and summary["world_size"] == 1
 
 
-def test_sigterm_to_torchrun_is_forwarded_saved_and_resumed_bit_identical(tmp_path: Path, reference: str) -> None:
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_usr1_to_the_process_group_saves_exits_3_leaves_nothing_and_resumes_bit_identical(tmp_path: Path,
+                                                                                         reference: str) -> None:
+    """What Slurm's ``--signal=USR1@T`` (without ``B:``) and ``scancel --signal=USR1`` do to a job step:
+    every process of the task's group gets USR1. The ranks live in sessions of their own (torch starts
+    them so), so only the launcher sees it; it forwards it, waits for the agreed (here async) save and
+    exits 3, leaving no process behind. (SIGTERM to the launcher alone, what a batch script's trap
+    sends, takes the same forwarding: tests/slurm/test_requeue.py, tests/train/test_deepspeed.py.)"""
     run_dir = tmp_path / "run"
-    proc = _start(_hpctrain_run(run_dir, "checkpoint.mode=async"))
-    seen = _wait_for_step(run_dir, 40, proc)
-    os.kill(proc.pid, signal.SIGTERM)  # what Slurm / the batch script's trap sends to torchrun
+    cmd = _hpctrain_run(run_dir, "checkpoint.mode=async")  # no step schedule: only the signal saves
+    proc = _start(cmd)
+    seen = _wait_for_step(run_dir, 20, proc)
+    ranks = _workers(proc.pid)
+    assert len(ranks) == 2 and all(os.getpgid(r) != proc.pid for r in ranks), ranks
+    os.killpg(proc.pid, signal.SIGUSR1)
     code, out = _finish(proc)
     assert code == EXIT_PREEMPTED, out[-4000:]
+    assert read_status(run_dir)["outcome"] == "preempted"
     saved = [s for s, _ in layout.committed(run_dir / "checkpoints")]
-    assert len(saved) == 1 and seen <= saved[0] <= seen + 2, (seen, saved)
-    code, out = _run(_hpctrain_run(run_dir, "checkpoint.mode=async"))
+    assert len(saved) == 1 and seen <= saved[0] <= seen + 2, (seen, saved)  # within a step of the signal
+    deadline = time.monotonic() + 10
+    while (any(_alive(r) for r in ranks) or _group_alive(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(r) for r in ranks), "a rank outlived the launcher"
+    assert not _group_alive(proc.pid), "a process of the launcher's group is still there"
+    code, out = _run(cmd)
     assert code == 0, out[-4000:]
     assert _params(run_dir) == reference
 
@@ -167,15 +169,17 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_ranks_end_with_a_sigkilled_launcher_and_the_restart_is_bit_identical(tmp_path: Path,
-                                                                              reference: str) -> None:
-    """SIGKILL of `hpctrain run`'s process group (the OOM killer, `timeout -s KILL`) reaches no
-    rank directly (each is in a session of its own); the kernel ends them (PR_SET_PDEATHSIG),
-    so no orphan trains on into the directory the restart uses."""
+def test_sigkill_of_the_launcher_mid_epoch_ends_its_ranks_and_the_restart_is_bit_identical(tmp_path: Path,
+                                                                                         reference: str) -> None:
+    """SIGKILL of `hpctrain run`'s process group mid-epoch (a node failure, the OOM killer, `timeout -s
+    KILL`): nothing gets to clean up. It reaches no rank directly (each is in a session of its own);
+    the kernel ends them (PR_SET_PDEATHSIG), so no orphan trains on into the directory the restart
+    uses, and the restart resumes from the last committed checkpoint, bit for bit."""
     run_dir = tmp_path / "run"
-    cmd = _hpctrain_run(run_dir, "checkpoint.every_steps=8")
+    kill_at = random.Random().randint(6, 28) + 32 * random.Random().randint(0, 1)  # mid-epoch, either epoch
+    cmd = _hpctrain_run(run_dir, "checkpoint.every_steps=4")
     proc = _start(cmd)
-    _wait_for_step(run_dir, 12, proc)
+    _wait_for_step(run_dir, kill_at, proc)
     ranks = _workers(proc.pid)
     assert len(ranks) == 2, ranks
     os.killpg(proc.pid, signal.SIGKILL)
@@ -185,10 +189,12 @@ def test_ranks_end_with_a_sigkilled_launcher_and_the_restart_is_bit_identical(tm
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in ranks), "ranks outlived their launcher"
     assert not (run_dir / "summary.json").exists()
+    saved = [s for s, _ in layout.committed(run_dir / "checkpoints")]
+    assert saved and saved[-1] < 64, saved
     code, out = _run(cmd)  # the restart, as the README says: resumes from the last committed checkpoint
     assert code == 0, out[-4000:]
-    assert "resumed from" in out
-    assert _params(run_dir) == reference
+    assert f"resumed from {run_dir / 'checkpoints' / layout.step_name(saved[-1])}" in out
+    assert _params(run_dir) == reference, f"killed at step ~{kill_at}, resumed from {saved[-1]}"
 
 
 def _rank_importing_torch(launcher: subprocess.Popen[bytes]) -> int:
