@@ -147,7 +147,7 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
 
     def factory() -> nn.Module:
         return build_model(cfg.model.name, num_classes, input_shape=data.input_shape, input_dtype=data.input_dtype,
-                           config=cfg.model)
+                           config=cfg.model, task=task.name)
 
     strategy = make_strategy(plan.strategy, plan, env, device, cfg.parallel, precision=cfg.precision,
                              compile=cfg.train.compile, seed=cfg.seed, clip_grad_norm=cfg.train.clip_grad_norm)

@@ -77,7 +77,7 @@ def _prepare(cfg: Config, env: cluster.ClusterEnv, weights: Path) -> tuple[Any, 
     task = resolve_task(cfg.train.task, val.layout.task, cfg.data.name)
     num_classes = cfg.model.num_classes or val.layout.num_classes
     model = build_model(cfg.model.name, num_classes, input_shape=val.layout.input_shape,
-                        input_dtype=task.input_dtype, config=cfg.model)
+                        input_dtype=val.layout.input_dtype, config=cfg.model, task=task.name)
     load_weights(model, weights)
     return val.loader, num_classes, model, task
 

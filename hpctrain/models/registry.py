@@ -12,9 +12,10 @@ from torch import nn
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.gpt import GPT, build_gpt
 from hpctrain.models.mnist_net import MnistCNN
+from hpctrain.models.outputs import pass_labels
 from hpctrain.models.resnet import ResNet18
 from hpctrain.models.simple_cnn import SimpleCNN
-from hpctrain.models.user import ModelError, build_user_model, check_model_output
+from hpctrain.models.user import CAUSAL_LM, ModelError, build_user_model, check_model_output
 
 __all__ = ["GPT", "REGISTRY", "ModelError", "ModelSpec", "build_model", "check_model_output", "count_parameters"]
 
@@ -40,11 +41,15 @@ REGISTRY: dict[str, ModelSpec] = {
 
 def build_model(name: str, num_classes: int | None = None, in_channels: int | None = None, *,
                 input_shape: tuple[int, ...] | None = None, input_dtype: torch.dtype = torch.float32,
-                config: ModelConfig | None = None) -> nn.Module:
+                config: ModelConfig | None = None, task: str | None = None) -> nn.Module:
     """A registered model, or ``package.module:NAME`` called with the arguments it accepts.
 
     With ``input_shape`` (one sample's shape, e.g. the dataset's), ``in_channels`` defaults
-    to its first entry and one dummy forward pass checks the model before training starts.
+    to its first entry and one dummy forward pass of the data's dtype checks the model's
+    output against ``task`` (the run's: ``classification`` or ``causal_lm``) before training
+    starts. Without a task (a library caller), token ids of one dim are taken for causal_lm
+    text (the data layout's rule) where that decides something, and the check reads the task
+    from the output (3-D logits on token ids: causal_lm).
     Token models (``gpt``) take their sizes from ``config`` (the ``model`` section) and
     ``num_classes`` as the data's vocabulary."""
     spec = REGISTRY.get(name)
@@ -55,7 +60,12 @@ def build_model(name: str, num_classes: int | None = None, in_channels: int | No
     if in_channels is None and input_shape is not None:
         in_channels = input_shape[0]
     if ":" in name:
-        model = build_user_model(name, num_classes, in_channels)
+        cfg = config or ModelConfig(name=name)
+        offered = user_offers(cfg, num_classes, in_channels, input_shape, input_dtype,
+                              task or _data_task(input_shape, input_dtype))
+        model = build_user_model(name, offered)
+        if cfg.use_model_loss:
+            pass_labels(model)
     elif name in REGISTRY:
         spec = REGISTRY[name]
         model = spec.factory(num_classes=num_classes, in_channels=spec.input_shape[0] if in_channels is None
@@ -64,8 +74,30 @@ def build_model(name: str, num_classes: int | None = None, in_channels: int | No
         raise ModelError(f"model.name={name!r} is not registered; choose one of: {', '.join(REGISTRY)}, "
                          "or give a factory or nn.Module class as package.module:NAME")
     if input_shape is not None:
-        check_model_output(model, name, input_shape, num_classes, input_dtype)
+        check_model_output(model, name, input_shape, num_classes, input_dtype, task=task,
+                           use_model_loss=config is not None and config.use_model_loss and ":" in name)
     return model
+
+
+def _data_task(input_shape: tuple[int, ...] | None, input_dtype: torch.dtype) -> str:
+    """The data layout's rule (hpctrain.data.build.data_layout) when the caller names no task."""
+    tokens = not input_dtype.is_floating_point and input_shape is not None and len(input_shape) == 1
+    return CAUSAL_LM if tokens else "classification"
+
+
+def user_offers(cfg: ModelConfig, num_classes: int, in_channels: int | None, input_shape: tuple[int, ...] | None,
+                input_dtype: torch.dtype, task: str) -> dict[str, int]:
+    """What a user factory may take (:data:`hpctrain.models.user.SUPPLIED`): ``num_classes``
+    (for causal_lm: the data's vocabulary), ``in_channels``, and for token models ``vocab_size``
+    (``model.vocab``, else the data's vocabulary for causal_lm) and ``seq_len`` (the data's
+    sequence length, else ``model.seq_len``)."""
+    offered = {"num_classes": num_classes} | ({} if in_channels is None else {"in_channels": in_channels})
+    vocab = cfg.vocab or (num_classes if task == CAUSAL_LM else None)
+    if vocab is not None:
+        offered["vocab_size"] = vocab
+    if task == CAUSAL_LM or not input_dtype.is_floating_point:
+        offered["seq_len"] = input_shape[0] if input_shape else cfg.seq_len
+    return offered
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,6 +1,8 @@
 """``parallel.strategy=fsdp`` / ``hsdp``. FSDP2 (``fully_shard``): parameters, gradients and
-optimizer state sharded over the data-parallel mesh. One unit per transformer block (per child module for other models),
-then the root, so only one unit's full parameters exist at a time.
+optimizer state sharded over the data-parallel mesh. One unit per transformer block (found from the
+model's layout: a Hugging Face model's ``_no_split_modules`` classes, else its repeated blocks, see
+:mod:`hpctrain.parallel.units`; per child module for other models), then the root, so only one
+unit's full parameters exist at a time.
 
 ``reshard_after_forward=True`` frees the gathered parameters after each unit's forward and
 gathers them again in backward (ZeRO-3); ``False`` keeps them until backward (ZeRO-2).

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from hpctrain.parallel.config import check_topology
 from hpctrain.parallel.registry import strategy_class
+from hpctrain.section import ConfigError
 
 if TYPE_CHECKING:  # the composed config imports hpctrain.parallel.config only
     from hpctrain.config import Config
@@ -93,8 +94,33 @@ def make_plan(cfg: Config, env: ClusterEnv) -> tuple[Config, Plan]:
                 dp_replicate=topo.dp_replicate, dp_shard=topo.dp_shard, tp=topo.tp,
                 micro_batch=cfg.data.batch_size, grad_accum=cfg.train.grad_accum,
                 checkpoint_format=fmt if fmt != "torch" else cfg.checkpoint.format)
+    check_model_plan(cfg, plan)
     kind.check(cfg, plan)
     return cfg, plan
+
+
+def check_model_plan(cfg: Config, plan: Plan) -> None:
+    """Tensor and pipeline parallelism cut a model by a plan for its layout: transformer blocks
+    as ``blocks`` (an ``nn.ModuleList``), as the built-in gpt has. A user's model without them
+    (a Hugging Face model, a CNN) is refused here, exit 2, before any process group: it is built
+    on meta (no memory; placeholder sizes, only its layout is read)."""
+    if not (plan.model_split and ":" in cfg.model.name):
+        return
+    from torch import nn
+
+    from hpctrain.models import build_model
+    from hpctrain.models.user import CAUSAL_LM
+    from hpctrain.parallel.meta import on_meta
+
+    model = on_meta(lambda: build_model(cfg.model.name, cfg.model.num_classes, config=cfg.model, task=CAUSAL_LM))
+    if isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        return
+    what = " and ".join(f"parallel.{key}={value} ({kind} parallel)" for key, value, kind
+                        in (("tp", plan.tp, "tensor"), ("pp", plan.pp, "pipeline")) if value > 1)
+    raise ConfigError(f"{what} needs a plan for the model's layout (its transformer blocks as `blocks`, an "
+                      f"nn.ModuleList, see docs/parallel.md); model.name={cfg.model.name} "
+                      f"({type(model).__name__}) has none; hint: parallel.tp=1 parallel.pp=1 with "
+                      "parallel.strategy=ddp, fsdp, zero1 or deepspeed (fsdp shards it a transformer block at a time)")
 
 
 def strategy_name(cfg: Config) -> str:

@@ -6,6 +6,10 @@ loop and evaluate() stay the same for every task (see docs/models.md):
 
 * train: ``inputs, targets = task.split(batch)``; under autocast
   ``loss = task.loss(model(inputs), targets, batch.mask)``;
+* the model's output may be logits, a tuple, a dict or a ``ModelOutput``
+  (:func:`hpctrain.models.outputs.logits_of`); one that carries its own ``loss`` (a model
+  called with the labels ``split`` attaches, under ``model.use_model_loss=true``) is trained
+  with that loss, while evaluation always reads the logits;
 * evaluate: ``out = task.eval_step(net, batch, precision)`` (None: a batch of padding
   only), then ``metric.update(out)`` for each of ``task.metrics(num_classes)``.
 
@@ -19,7 +23,7 @@ in float64, masked samples already removed, so metrics sum and count exactly acr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +31,7 @@ from torch import nn
 
 from hpctrain.data.batch import Batch
 from hpctrain.evaluation.metrics import EvalOutput, Metric
+from hpctrain.models.outputs import attach_labels, logits_of, loss_of
 from hpctrain.precision import Precision
 from hpctrain.telemetry.flops import train_step_flops
 
@@ -38,7 +43,7 @@ class Task(Protocol):
     input_dtype: torch.dtype  # what the model's forward takes
 
     def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...  # (inputs, targets)
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor: ...
+    def loss(self, output: Any, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor: ...
     def eval_step(self, net: nn.Module, batch: Batch, precision: Precision | None) -> EvalOutput | None: ...
     def metrics(self, num_classes: int) -> list[Metric]: ...
     def tokens_per_sample(self, input_shape: tuple[int, ...]) -> int | None: ...  # None: not a token task
@@ -53,10 +58,27 @@ class CrossEntropyTask(ABC):
     input_dtype: torch.dtype
 
     @abstractmethod
-    def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def inputs_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the model reads and what it should predict."""
 
     @abstractmethod
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor: ...
+    def labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The ``labels=`` a model that computes its own loss takes (Hugging Face's convention)."""
+
+    @abstractmethod
+    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The task's own training loss on the logits."""
+
+    def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training's (inputs, targets); the inputs carry the labels, which reach only a model
+        built with ``model.use_model_loss=true`` (padding samples' labels ignored)."""
+        inputs, targets = self.inputs_targets(batch)
+        return attach_labels(inputs, self.labels(inputs, targets), batch.mask), targets
+
+    def loss(self, output: Any, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The model's own ``loss`` when its output has one, else the task's on its logits."""
+        own = loss_of(output)
+        return own if own is not None else self.logits_loss(logits_of(output), targets, mask)
 
     @abstractmethod
     def metrics(self, num_classes: int) -> list[Metric]: ...
@@ -69,10 +91,10 @@ class CrossEntropyTask(ABC):
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view_as(targets)
 
     def eval_step(self, net: nn.Module, batch: Batch, precision: Precision | None) -> EvalOutput | None:
-        inputs, targets = self.split(batch)
+        inputs, targets = self.inputs_targets(batch)  # no labels: exact metrics on the logits
         with precision.autocast() if precision else torch.autocast("cpu", enabled=False):
-            logits = net(inputs)
-        logits = logits.float()
+            output = net(inputs)
+        logits = logits_of(output).float()
         keep, keys = batch.mask, batch.keys
         if keep is not None:
             if not bool(keep.any()):

@@ -46,10 +46,15 @@ class CausalLM(CrossEntropyTask):
     best_metric = "val_loss"  # train.best_metric=auto
     input_dtype = torch.long
 
-    def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return batch.inputs[:, :-1], batch.inputs[:, 1:]
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Hugging Face causal LMs shift the labels themselves (labels = input_ids): their loss
+        # covers the T - 1 next tokens inside the inputs, not the window's last one
+        return inputs
+
+    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if mask is None:
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         per_sample = self.target_losses(logits, targets).mean(1)  # every sample has the same T tokens

@@ -26,10 +26,13 @@ class Classification(CrossEntropyTask):
     best_metric = "val_accuracy"  # train.best_metric=auto
     input_dtype = torch.float32
 
-    def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return batch.inputs, batch.targets
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return targets
+
+    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if mask is None:  # training batches: the common case, one call less on the hot path
             return F.cross_entropy(logits, targets)
         return masked_cross_entropy(logits, targets, mask)

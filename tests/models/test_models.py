@@ -52,6 +52,11 @@ def test_token_models_are_checked_with_integer_inputs():
         build_model("tests.user_models:token_classifier", 4, input_shape=(16,))
 
 
+def test_a_tuple_output_passes_the_check_with_its_first_element():
+    model = build_model("tests.user_models:tuple_output", 10, input_shape=TINY)
+    assert model(torch.zeros(2, 128))[0].shape == (2, 10)
+
+
 def test_kwargs_factory_receives_both_arguments():
     got = build_model("tests.user_models:any_kwargs", 4, input_shape=TINY).got
     assert got == {"num_classes": 4, "in_channels": 128}
@@ -66,8 +71,8 @@ def test_kwargs_factory_receives_both_arguments():
     ("tests.user_models:needs_depth", TINY, "requires 'depth'"),
     ("tests.user_models:raises", TINY, "raised RuntimeError: CUDA driver not found"),
     ("tests.user_models:not_a_module", TINY, "returned a dict, not a torch.nn.Module"),
-    ("tests.user_models:three_classes", TINY, r"returned shape \(2, 3\) .* expected \(2, 10\)"),
-    ("tests.user_models:tuple_output", TINY, "returned a tuple from forward"),
+    ("tests.user_models:three_classes", TINY, r"returned shape \(2, 3\) .* task classification expects \(2, 10\)"),
+    ("tests.models.output_models:hidden_only", TINY, r"a dict with keys \['hidden'\]; expected logits"),
     ("tests.user_models:tiny_mlp", (3, 32, 32), r"does not run on the data's input shape \(3, 32, 32\)"),
     ("mnist_cnn", (3, 32, 32), "does not run on"),
 ])
