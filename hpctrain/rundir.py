@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -36,9 +37,26 @@ class RunDirError(UserError):
     """The run directory cannot be used; the message says why and what to do."""
 
 
+class _OneComponent:
+    """A config section whose text values read as one path component: ``data.name=csv:data/x.csv``
+    names ``runs/csv-data-x.csv-...``, not a folder ``csv:data`` with an ``x.csv-...`` inside."""
+
+    def __init__(self, section: Any) -> None:
+        self._section = section
+
+    def __getattr__(self, name: str) -> Any:
+        return _one_component(getattr(self._section, name))
+
+
+def _one_component(value: Any) -> Any:
+    if isinstance(value, str):
+        return re.sub(r"[^\w.+-]+", "-", value).strip("-")
+    return value if isinstance(value, (int, float, bool)) or value is None else _OneComponent(value)
+
+
 def resolve_run_dir(template: str, cfg: Any) -> Path:
     """``run.dir`` may name config values: ``runs/{data.name}-{model.name}``."""
-    sections = {name: getattr(cfg, name) for name in vars(cfg)}
+    sections = {name: _one_component(getattr(cfg, name)) for name in vars(cfg)}
     try:
         return Path(template.format(**sections))
     except (KeyError, AttributeError, IndexError, ValueError) as err:

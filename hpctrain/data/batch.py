@@ -4,6 +4,7 @@ items (wrapped in :class:`ItemDataset`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,17 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from hpctrain.errors import UserError
 
-ITEM_HINT = "hint: dataset[i] must return (input, target), e.g. (a tensor, an int class)"
+ITEM_HINT = "hint: dataset[i] must return (input, target), e.g. (a tensor, an int class), or a dict of them"
+INPUT_KEYS = ("input", "inputs", "input_ids", "x", "image", "img", "pixel_values", "features")  # dict items
+LABEL_KEYS = ("label", "labels", "target", "targets", "y")
+
+
+def as_model_input(t: torch.Tensor) -> torch.Tensor:
+    """The dtype a model takes: integers (token ids, integer features) as int64, for embeddings;
+    uint8 (pixels), bool and every float as float32."""
+    if t.is_floating_point() or t.dtype in (torch.uint8, torch.bool):
+        return t if t.dtype == torch.float32 else t.float()
+    return t if t.dtype == torch.int64 else t.long()
 
 
 @dataclass
@@ -75,12 +86,25 @@ class ArrayDataset(Dataset):
         return tuple(self.inputs.shape[1:])
 
 
-class ItemDataset(Dataset):
-    """Any map-style dataset of ``(input, target)`` items, read a batch at a time as a :class:`Batch`:
-    the items collated by torch's ``default_collate``, the indices as keys."""
+@dataclass(frozen=True)
+class ItemSpec:
+    """How the items of a user's dataset become a :class:`Batch`."""
 
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+    name: str = "dataset"  # how messages name the dataset (e.g. "data.name=pkg.mod:make train")
+    input_key: str | None = None  # dict items: the input's key (None: the first of INPUT_KEYS present)
+    label_key: str | None = None  # dict items: the label's key (None: the first of LABEL_KEYS present)
+    collate: Callable[[list[Any]], Any] | None = None  # items -> (inputs, targets) or a dict; default_collate if None
+    num_classes: int | None = None  # labels are checked against [0, num_classes) when known
+    labelled: bool = True  # False (token windows): an item is its input, targets are zeros
+
+
+class ItemDataset(Dataset):
+    """Any map-style dataset of ``(input, target)`` items (or dicts, or with its own collate), read a
+    batch at a time as a :class:`Batch`: inputs as a model takes them (:func:`as_model_input`),
+    labels checked, the indices as keys. A bad item is a UserError naming its index."""
+
+    def __init__(self, dataset: Dataset, spec: ItemSpec | None = None) -> None:
+        self.dataset, self.spec = dataset, spec or ItemSpec(type(dataset).__name__)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]  # batched() checked that it has one
@@ -91,27 +115,88 @@ class ItemDataset(Dataset):
     def __getitems__(self, indices: list[int] | torch.Tensor) -> Batch:
         idx = _index(indices)
         ids = idx.tolist()
-        # torch's own batched-fetch hook, when the dataset has one (Subset, StackDataset, ...)
+        # torch's own batched-fetch hook, when the dataset has one (Subset, StackDataset, HF datasets, ...)
         fetch = getattr(self.dataset, "__getitems__", None)
         items = fetch(ids) if fetch is not None else [self.dataset[i] for i in ids]
-        return self._collate(list(items), idx)
+        return self.collate(list(items), idx)
 
-    def _collate(self, items: list[Any], keys: torch.Tensor) -> Batch:
-        name = type(self.dataset).__name__
-        for key, item in zip(keys.tolist(), items):
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise UserError(f"{name}[{key}] is a {type(item).__name__}, not an (input, target) pair; {ITEM_HINT}")
-        inputs, targets = default_collate(items)
-        if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
-            raise UserError(f"{name}'s items collate to ({type(inputs).__name__}, {type(targets).__name__}), "
-                            f"not tensors; {ITEM_HINT}")
-        return Batch(inputs, targets, keys)
+    def collate(self, items: list[Any], keys: torch.Tensor) -> Batch:
+        """Items (as ``dataset[i]`` gives them) as one batch; ``keys``: their sample ids."""
+        spec = self.spec
+        if spec.collate is not None:
+            inputs, targets = self._pair(spec.collate(items), f"data.collate's result for samples {keys[:4].tolist()}")
+        else:
+            pairs = [self._pair(item, f"{spec.name}[{key}]") for key, item in zip(keys.tolist(), items)]
+            inputs, targets = self._stack([p[0] for p in pairs], keys), default_collate([p[1] for p in pairs])
+        if not isinstance(inputs, torch.Tensor):
+            raise UserError(f"{spec.name}: samples {keys[:4].tolist()} collate to inputs of type "
+                            f"{type(inputs).__name__}, not a tensor; {ITEM_HINT}")
+        targets = torch.as_tensor(targets) if spec.labelled else torch.zeros(len(keys), dtype=torch.int64)
+        return Batch(as_model_input(inputs), class_targets(targets, keys, spec), keys)
+
+    def _pair(self, item: Any, where: str) -> tuple[Any, Any]:
+        """(input, target) of one item, or of what data.collate returned."""
+        if isinstance(item, Mapping):
+            return item[_key(item, self.spec.input_key, INPUT_KEYS, "input", where)], (
+                item[_key(item, self.spec.label_key, LABEL_KEYS, "label", where)] if self.spec.labelled else 0)
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            return item[0], item[1]
+        if not self.spec.labelled and isinstance(item, torch.Tensor):
+            return item, 0
+        raise UserError(f"{where} is a {type(item).__name__}, not an (input, target) pair; {ITEM_HINT}")
+
+    def _stack(self, inputs: list[Any], keys: torch.Tensor) -> Any:
+        try:
+            return default_collate(inputs)
+        except (RuntimeError, TypeError) as err:  # inputs of different shapes or of no tensor type
+            shapes = sorted({str(tuple(x.shape)) if hasattr(x, "shape") else type(x).__name__ for x in inputs})
+            raise UserError(f"{self.spec.name}: samples {keys[:4].tolist()}... do not stack into one batch "
+                            f"({', '.join(shapes[:4])}): {err}; hint: give every sample one shape (resize or pad "
+                            "in the dataset), or pass data.collate=pkg.mod:fn") from None
+
+
+def _key(item: Mapping[str, Any], chosen: str | None, candidates: tuple[str, ...], what: str, where: str) -> str:
+    """The key of a dict item's input or label: the configured one, else the first usual name present."""
+    if chosen is not None and chosen in item:
+        return chosen
+    found = None if chosen is not None else next((k for k in candidates if k in item), None)
+    if found is None:
+        setting = f"data.{what}_key"
+        said = f"has no key {chosen!r}" if chosen is not None else f"has none of the usual {what} keys {candidates}"
+        raise UserError(f"{where} {said}; it has {sorted(map(str, item))}; hint: set {setting}=KEY")
+    return found
+
+
+def class_targets(targets: torch.Tensor, keys: torch.Tensor, spec: ItemSpec) -> torch.Tensor:
+    """Labels as int64 class ids: one whole number per sample in ``[0, num_classes)``; the first bad
+    one is refused naming its sample (a float label would be truncated, a negative one crash the loss)."""
+    if targets.ndim != 1:
+        raise UserError(f"{spec.name}: samples {keys[:4].tolist()} have labels of shape {tuple(targets.shape[1:])}; "
+                        "classification needs one class id per sample; hint: data.label_key names the label")
+    if targets.is_floating_point():
+        bad = torch.nonzero(targets != targets.round()).flatten()
+        if len(bad):
+            i = int(bad[0])
+            raise UserError(f"{spec.name}[{int(keys[i])}] has label {targets[i].item()!r}, not a whole number: "
+                            "classification needs class ids 0..C-1; hint: regression targets are not supported")
+    elif targets.dtype == torch.bool or targets.is_complex():
+        raise UserError(f"{spec.name}: labels of dtype {targets.dtype}; hint: class ids 0..C-1 as integers")
+    targets = targets.long()
+    high = spec.num_classes
+    outside = targets < 0 if high is None else (targets < 0) | (targets >= high)
+    bad = torch.nonzero(outside).flatten()
+    if len(bad):
+        i = int(bad[0])
+        limit = f"[0, {high})" if high is not None else "0 or more"
+        raise UserError(f"{spec.name}[{int(keys[i])}] has label {int(targets[i])}, outside {limit}; hint: class ids "
+                        "run from 0 to num_classes - 1 (model.num_classes, or num_classes in the data mapping)")
+    return targets
 
 
 BatchedDataset = ArrayDataset | ItemDataset  # what the in-memory loaders read: __getitems__ gives a Batch
 
 
-def batched(dataset: Dataset) -> BatchedDataset:
+def batched(dataset: Dataset, spec: ItemSpec | None = None) -> BatchedDataset:
     """The dataset as the loaders read it: an ArrayDataset as it is (one tensor gather per batch),
     any other map-style dataset wrapped in :class:`ItemDataset`."""
     if isinstance(dataset, (ArrayDataset, ItemDataset)):
@@ -120,7 +205,7 @@ def batched(dataset: Dataset) -> BatchedDataset:
         raise UserError(f"{type(dataset).__name__} is not a map-style dataset (len(dataset) and dataset[i]); "
                         "hint: hpctrain's loaders split samples by index over ranks; wrap an iterable stream "
                         "in tar shards (`hpctrain data shard`) instead")
-    return ItemDataset(dataset)
+    return ItemDataset(dataset, spec)
 
 
 def pass_batch(batch: Batch) -> Batch:

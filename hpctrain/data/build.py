@@ -17,19 +17,30 @@ from typing import Any, Protocol
 
 import torch
 
-from hpctrain.data.batch import ArrayDataset, Batch
+from hpctrain.data.batch import ArrayDataset, Batch, BatchedDataset, ItemDataset
 from hpctrain.data.config import DataConfig
-from hpctrain.data.loader import ShardDataset, ShardedEvalLoader, ShardedLoader
+from hpctrain.data.loader import IndexedBatches, PlanLoader, ShardDataset, ShardedEvalLoader, ShardedLoader
 from hpctrain.data.manifest import manifest_path
 from hpctrain.data.memory import EvalLoader, MemoryLoader
-from hpctrain.data.sources import data_source, hook, load_split
+from hpctrain.data.sources import hook, load_split, resolve_source
 from hpctrain.data.stage import resolve_stage_dir, stage_shards
 from hpctrain.data.text import TextLayout, text_layout, tokens_of
+from hpctrain.data.user import (
+    CAUSAL_LM,
+    ListDataset,
+    StreamLoader,
+    UserData,
+    class_count,
+    is_stream,
+    map_style,
+    materialize,
+    spec_for,
+)
 from hpctrain.env import ClusterEnv
 from hpctrain.section import ConfigError
 
 log = logging.getLogger("hpctrain")
-CLASSIFICATION, CAUSAL_LM = "classification", "causal_lm"  # hpctrain.tasks names
+CLASSIFICATION = "classification"  # hpctrain.tasks names (and CAUSAL_LM)
 
 
 class TrainLoader(Protocol):
@@ -85,13 +96,14 @@ class ValData:
     layout: DataLayout  # classes, input shape and dtype, task
 
 
-def data_layout(text: TextLayout | None = None, *, num_classes: int = 0,
-                input_shape: tuple[int, ...] = ()) -> DataLayout:
-    """The one rule for the task: token windows (a text manifest) are causal_lm, with the model
-    seeing ``(seq_len,)`` int64 ids; anything else is classification."""
+def data_layout(text: TextLayout | None = None, *, num_classes: int = 0, input_shape: tuple[int, ...] = (),
+                input_dtype: torch.dtype = torch.float32) -> DataLayout:
+    """The one rule for the task: token windows (a text manifest, or a source that says
+    ``task: causal_lm``) are causal_lm, with the model seeing ``(seq_len,)`` int64 ids; anything
+    else is classification, with inputs of the data's dtype (int64 for integer features)."""
     if text is not None:
         return DataLayout(text.vocab, (text.seq_len,), torch.long, CAUSAL_LM)
-    return DataLayout(num_classes, input_shape)
+    return DataLayout(num_classes, input_shape, input_dtype)
 
 
 def build_data(data: DataConfig, env: ClusterEnv, device: torch.device, *, seed: int, seq_len: int | None = None,
@@ -102,9 +114,12 @@ def build_data(data: DataConfig, env: ClusterEnv, device: torch.device, *, seed:
     data); ``seq_len``: the model's context length (``data.name=shakespeare`` is sharded at
     it); ``num_classes``: the model's class count, for shards whose manifest lists none.
     """
-    shards = data_source(data.name).shards
-    if shards is not None:
-        return _shard_data(data, env, device, seed, _shard_root(shards, data, env, seq_len), num_classes, with_val)
+    source, arg = resolve_source(data.name)
+    if source.splits is not None:
+        return _user_data(data, env, device, seed, hook(source.splits)(data, arg, seed), num_classes, with_val)
+    if source.shards is not None:
+        root = _shard_root(source.shards, data, env, seq_len)
+        return _shard_data(data, env, device, seed, root, num_classes, with_val)
     train_set = load_split(data, "train", seed).subset(data.max_train_samples)
     loader = MemoryLoader(train_set, env, data.batch_size, seed=seed, drop_last=data.drop_last,
                           num_workers=data.num_workers, prefetch_factor=data.prefetch_factor,
@@ -117,10 +132,17 @@ def build_data(data: DataConfig, env: ClusterEnv, device: torch.device, *, seed:
 def build_val_loader(data: DataConfig, env: ClusterEnv, *, seed: int, seq_len: int | None = None,
                      num_classes: int | None = None) -> ValData:
     """The evaluation loader of ``data.val_split`` for any ``data.name``, and its layout (``hpctrain eval``)."""
-    shards = data_source(data.name).shards
-    if shards is None:
+    source, arg = resolve_source(data.name)
+    if source.splits is not None:
+        user: UserData = hook(source.splits)(data, arg, seed)
+        classes = class_count(user, data, num_classes)
+        val = _user_val(data, env, user, classes)
+        if val is None:
+            raise ConfigError(f"data.name={data.name} has no {data.val_split} split to evaluate")
+        return val
+    if source.shards is None:
         return _memory_val(data, env, seed)
-    root = _shard_root(shards, data, env, seq_len)
+    root = _shard_root(source.shards, data, env, seq_len)
     loader = _shard_val_loader(data, env, root)
     if loader is None:
         raise ConfigError(f"data.path={data.path} has no {data.val_split} split to evaluate")
@@ -150,7 +172,8 @@ def _bundle(loader: TrainLoader, size: int, layout: DataLayout, val: EvalBatches
 
 
 def _memory_layout(dataset: ArrayDataset) -> DataLayout:
-    return data_layout(num_classes=dataset.num_classes, input_shape=dataset.input_shape)
+    return data_layout(num_classes=dataset.num_classes, input_shape=dataset.input_shape,
+                       input_dtype=dataset.inputs.dtype)
 
 
 def _memory_val(data: DataConfig, env: ClusterEnv, seed: int) -> ValData:
@@ -194,7 +217,9 @@ def _shard_val_loader(data: DataConfig, env: ClusterEnv, root: Path) -> ShardedE
 def _shard_layout(text: TextLayout | None, dataset: ShardDataset, num_classes: int | None) -> DataLayout:
     if text is not None:
         return data_layout(text)
-    return data_layout(num_classes=_num_classes(dataset, num_classes), input_shape=dataset.sample_shape())
+    inputs = dataset.batch([0]).inputs
+    return data_layout(num_classes=_num_classes(dataset, num_classes), input_shape=tuple(inputs.shape[1:]),
+                       input_dtype=inputs.dtype)
 
 
 def _num_classes(dataset: ShardDataset, num_classes: int | None) -> int:
@@ -203,3 +228,74 @@ def _num_classes(dataset: ShardDataset, num_classes: int | None) -> int:
     if num_classes:
         return num_classes
     raise ConfigError(f"the manifest in {dataset.index.root} lists no classes; hint: set model.num_classes")
+
+
+# ---------------------------------------------------------------- datasets as users have them
+
+
+def _user_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: int, user: UserData,
+               num_classes: int | None, with_val: bool) -> DataBundle:
+    """Loaders over the splits of ``data.name=package.module:NAME`` (or csv:, parquet:, ...):
+    map-style splits by the shards' plan (:class:`PlanLoader`), streams by :class:`StreamLoader`."""
+    classes = class_count(user, data, num_classes)
+    if classes is None and user.task != CAUSAL_LM:
+        raise ConfigError(f"data.name={data.name}: the number of classes is unknown; hint: set model.num_classes, "
+                          "or give num_classes in the mapping (or a classes list on the dataset)")
+    spec = spec_for(user, data, "train", classes)
+    loader: TrainLoader
+    if is_stream(user.train):
+        items = ItemDataset(user.train, spec)
+        loader = StreamLoader(user.train, items, env, data.batch_size, drop_last=data.drop_last,
+                              max_samples=data.max_train_samples, name=f"data.name={data.name} train")
+        template = _stream_template(user.train, items)
+    else:
+        batches = IndexedBatches(map_style(user.train, data, spec))
+        loader = PlanLoader(batches, [len(batches)], env, data.batch_size, seed=seed, shuffle=data.shuffle,
+                            shuffle_window=data.shuffle_window, drop_last=data.drop_last,
+                            num_workers=data.num_workers, prefetch_factor=data.prefetch_factor,
+                            pin_memory=_pin(data, device), persistent_workers=data.persistent_workers,
+                            max_samples=data.max_train_samples, what=f"data.name={data.name} train")
+        template = batches.template()
+    val = _user_val(data, env, user, classes) if with_val else None
+    return _bundle(loader, loader.num_samples, _user_layout(user, template, classes), val.loader if val else None,
+                   val.size if val else 0)
+
+
+def _user_val(data: DataConfig, env: ClusterEnv, user: UserData, classes: int | None) -> ValData | None:
+    """The validation split, each sample on exactly one rank (a stream is read whole first)."""
+    if user.val is None:
+        if env.is_main:
+            log.warning("data.name=%s has no %s split: training without validation", data.name, data.val_split)
+        return None
+    spec = spec_for(user, data, data.val_split, classes)
+    val = ListDataset(materialize(user.val, data.max_val_samples)) if is_stream(user.val) else user.val
+    dataset = _first(map_style(val, data, spec), data.max_val_samples)
+    loader = EvalLoader(dataset, env, eval_batch_size(data))
+    return ValData(loader, len(dataset), _user_layout(user, loader.template(), classes))
+
+
+def _first(dataset: BatchedDataset, limit: int | None) -> BatchedDataset:
+    """The first ``limit`` samples (data.max_val_samples)."""
+    if limit is None or limit >= len(dataset):
+        return dataset
+    if isinstance(dataset, ArrayDataset):
+        return dataset.subset(limit)
+    return ItemDataset(torch.utils.data.Subset(dataset.dataset, range(limit)), dataset.spec)
+
+
+def _stream_template(stream: Any, items: ItemDataset) -> Batch:
+    """The first item of a stream as a one-sample batch (a Stateful stream's state is kept)."""
+    saved = stream.state_dict() if hasattr(stream, "state_dict") else None
+    first = next(iter(stream), None)
+    if saved is not None:
+        stream.load_state_dict(saved)
+    if first is None:
+        raise ConfigError(f"{items.spec.name}: the stream gave no sample")
+    return items.collate([first], torch.zeros(1, dtype=torch.long))
+
+
+def _user_layout(user: UserData, template: Batch, classes: int | None) -> DataLayout:
+    shape = tuple(template.inputs.shape[1:])
+    if user.task == CAUSAL_LM:  # a window of seq_len + 1 tokens: the model sees seq_len of them
+        return data_layout(TextLayout(shape[0] - 1, classes or 0))
+    return data_layout(num_classes=classes or 0, input_shape=shape, input_dtype=template.inputs.dtype)

@@ -15,6 +15,7 @@ from hpctrain.data.pack import DEFAULT_SEQ_LEN, VAL_FRACTION, PackOptions
 from hpctrain.data.sources import open_source, pack_choices, pack_source
 from hpctrain.data.verify import Problem, class_mismatches, unlisted_shards, verify
 from hpctrain.data.writer import parse_size, write_shards
+from hpctrain.errors import UserError
 
 
 def cmd_shard(args: argparse.Namespace) -> int:
@@ -24,7 +25,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
     splits = [args.split] if args.split else pack_source(args.source)[0].pack_splits
     options = PackOptions(args.seq_len, args.glob, args.val_fraction, num_classes=args.num_classes,
                           image_size=args.image_size, classes=_other_classes(Path(args.out_dir), splits),
-                          allow_missing_classes=args.allow_missing_classes)
+                          allow_missing_classes=args.allow_missing_classes, input_columns=args.input_column,
+                          label_column=args.label_column)
     # every split's source before any is written: a bad one leaves no half-written directory
     sources = {split: open_source(args.source, split, options) for split in splits}
     max_bytes = parse_size(args.shard_size) if args.shard_size else None
@@ -109,7 +111,7 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
     def run(args: argparse.Namespace) -> int:
         try:
             return fn(args)
-        except (ShardError, CorruptSampleError, FileNotFoundError) as err:
+        except (UserError, CorruptSampleError, FileNotFoundError) as err:  # ShardError, a missing package, ...
             print(f"hpctrain data {args.data_command}: error: {err}", file=sys.stderr)
             return 2
     return run
@@ -140,6 +142,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--allow-missing-classes", action="store_true",
                    help="imagefolder: write a split that lacks some classes of the split already in OUT_DIR "
                         "(labels still follow the class names)")
+    p.add_argument("--input-column", action="append", metavar="NAME",
+                   help="csv/parquet/jsonl/hf: an input column (repeat for several; default: every column but "
+                        "the label); jsonl: packs the records as a table")
+    p.add_argument("--label-column", default="label", metavar="NAME",
+                   help="csv/parquet/jsonl/hf: the column of class ids 0..C-1 (default: label)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_guarded(cmd_shard))
 

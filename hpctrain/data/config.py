@@ -17,7 +17,7 @@ def check_split(split: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    name: str = opt("mnist", "Dataset: mnist | fashion_mnist | synthetic_cifar | synthetic_tiny | shards (tar shards from `hpctrain data shard`, at data.path).")
+    name: str = opt("mnist", "Dataset: mnist | fashion_mnist | synthetic_cifar | synthetic_tiny | shards (tar shards from `hpctrain data shard`, at data.path) | csv:PATH | parquet:PATH | jsonl:PATH | hf:PATH (datasets' save_to_disk) | imagefolder:PATH | package.module:NAME (your own: a callable or mapping giving {train: dataset, val: dataset}; docs/own-data.md).")
     path: str | None = opt(None, "Data location for sources that read files (default: the installed package); for shards: the shard directory.")
     batch_size: int = opt(64, "Samples per rank per micro-step (global batch = batch_size x world_size x train.grad_accum); with data.global_batch_size set: the largest micro-batch per rank.")
     global_batch_size: int | None = opt(None, "Samples per optimizer step over all ranks, kept at any world size (elastic resume keeps batch and sample order): per rank global_batch_size / world_size samples (must divide), in the fewest equal micro-batches of at most data.batch_size; train.grad_accum is then derived (leave it at 1).")
@@ -36,6 +36,11 @@ class DataConfig:
     stage_dir: str | None = opt(None, "Shards: node-local directory to copy the shards to first (local rank 0 copies, verifies, others wait); default $SLURM_TMPDIR when set; off = read data.path directly.")
     image_size: int | None = opt(None, "Image folders: resize every image to image_size x image_size pixels (hpctrain data shard --image-size N); None = every image must have the same size, and mixed sizes are refused naming a file.")
     on_corrupt: Literal["stop", "skip"] = opt("stop", "Shards: a truncated or corrupt sample stops the run (naming shard and key), or is skipped, logged and counted.")
+    input_key: str | None = opt(None, "Your own data with dict items: the input's key; None = the first of input, inputs, input_ids, x, image, img, pixel_values, features.")
+    label_key: str | None = opt(None, "Your own data with dict items: the label's key; None = the first of label, labels, target, targets, y.")
+    collate: str | None = opt(None, "Your own data: package.module:fn turning a list of items into (inputs, labels) (or a dict); None = torch's default_collate.")
+    input_columns: list[str] | None = opt(None, "Tables (csv:, parquet:, jsonl:, hf:): the input columns, e.g. [x1,x2] (one vector per row) or [input_ids] (a list per row); None = every numeric column but the label.")
+    label_column: str = opt("label", "Tables (csv:, parquet:, jsonl:, hf:): the column of class ids 0..C-1.")
 
     def __post_init__(self) -> None:
         positive("data", self, "batch_size", "global_batch_size", "eval_batch_size", "max_train_samples",

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from hpctrain.data.batch import Batch, pass_batch
+from hpctrain.data.batch import Batch, BatchedDataset, as_model_input, pass_batch
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.manifest import (
     IMAGE_EXTS,
@@ -45,6 +45,7 @@ from hpctrain.data.manifest import (
 )
 from hpctrain.data.memory import rank_slice  # one split rule for every evaluation loader
 from hpctrain.data.pack import pillow
+from hpctrain.data.passes import Passes
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import HpctrainError, UserError
 
@@ -338,14 +339,7 @@ class ShardDataset(Dataset):
             return None
 
     def __getitems__(self, ids: list[int]) -> Batch | WorkerError:
-        """The batch; in a DataLoader worker, an hpctrain error is returned, not raised: DataLoader
-        would re-raise it in the main process with the worker's traceback as its message."""
-        if get_worker_info() is None:
-            return self.batch(ids)
-        try:
-            return self.batch(ids)
-        except HpctrainError as err:
-            return WorkerError(err)
+        return in_worker(self.batch, ids)
 
     def batch(self, ids: list[int]) -> Batch:
         """The samples ``ids`` (PAD: a masked padding slot) as one :class:`Batch`."""
@@ -380,7 +374,7 @@ class ShardDataset(Dataset):
             zero = torch.zeros_like(torch.as_tensor(fill))
             return torch.stack([torch.as_tensor(x) if x is not None else zero for x in inputs])
         zero = np.zeros_like(fill)
-        return self._to_float(np.stack([x if x is not None else zero for x in inputs]))
+        return self._to_model_input(np.stack([x if x is not None else zero for x in inputs]))
 
     def _fallback_input(self) -> Any:
         if self._fill is None:
@@ -393,13 +387,17 @@ class ShardDataset(Dataset):
                 raise CorruptSampleError(f"{self.index.root}: no sample of split {self.index.split} can be read")
         return self._fill
 
-    def _to_float(self, arr: np.ndarray) -> torch.Tensor:
+    def _to_model_input(self, arr: np.ndarray) -> torch.Tensor:
         """One batched conversion (not per sample): HWC images to NCHW, then ``/ scale`` and
-        ``(x - mean) / std`` when the manifest's decode info gives them."""
+        ``(x - mean) / std`` when the manifest's decode info gives them. Arrays of integers
+        other than uint8 (token ids, integer features) stay integers, as int64."""
         info = self.index.decode
         t = torch.from_numpy(arr)
-        if self.input_field.rsplit(".", 1)[-1] in IMAGE_EXTS or info.get("layout") == "hwc":
+        image = self.input_field.rsplit(".", 1)[-1] in IMAGE_EXTS or info.get("layout") == "hwc"
+        if image:
             t = t.unsqueeze(1) if t.ndim == 3 else t.permute(0, 3, 1, 2)
+        if not (image or info.get("scale") or info.get("mean") is not None):
+            return as_model_input(t).contiguous()
         x = t.float()
         if info.get("scale"):
             x = x.div_(float(info["scale"]))
@@ -411,6 +409,17 @@ class ShardDataset(Dataset):
     def sample_shape(self) -> tuple[int, ...]:
         """The shape of one decoded input (from the first sample)."""
         return tuple(self.batch([0]).inputs.shape[1:])
+
+
+def in_worker(read: Callable[[list[int]], Batch], ids: list[int]) -> Batch | WorkerError:
+    """``read(ids)``; in a DataLoader worker, an hpctrain error is returned, not raised: DataLoader
+    would re-raise it in the main process with the worker's traceback as its message."""
+    if get_worker_info() is None:
+        return read(ids)
+    try:
+        return read(ids)
+    except HpctrainError as err:
+        return WorkerError(err)
 
 
 class WorkerError:
@@ -462,57 +471,46 @@ def _make_loader(dataset: Dataset, sampler: Sampler, num_workers: int, prefetch_
 # ---------------------------------------------------------------- the training loader
 
 
-class ShardedLoader:
-    """Training batches from tar shards for this rank; follows hpctrain's training-loader protocol.
+class PlanLoader(Passes):
+    """Training batches for this rank of any map-style dataset whose ``__getitems__(ids)`` gives a
+    :class:`Batch` (PAD ids: masked padding), by the plan above; follows hpctrain's
+    training-loader protocol.
 
     ``state_dict()`` holds the epoch and the count of global positions consumed, so a
     resume at the same world size reproduces the uninterrupted batches exactly, and a
     resume at another world size or worker count reads the epoch's rest exactly once.
+    ``sizes``: the sample counts of the dataset's consecutive parts (shards; one part for a
+    dataset in memory), which ``shuffle`` keeps together or not.
     """
 
-    def __init__(self, root: str | Path, env: ClusterEnv, batch_size: int, *, split: str = "train", seed: int = 0,
+    def __init__(self, dataset: Dataset, sizes: Sequence[int], env: ClusterEnv, batch_size: int, *, seed: int = 0,
                  shuffle: Shuffle = "shard", shuffle_window: int = 1000, drop_last: bool = True,
                  num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
-                 persistent_workers: bool = True, transform: Transform | None = None,
-                 on_corrupt: OnCorrupt = "stop", max_samples: int | None = None) -> None:
+                 persistent_workers: bool = True, max_samples: int | None = None, what: str = "the data") -> None:
         if batch_size <= 0:
             raise ValueError(f"data.batch_size={batch_size} must be > 0")
         if shuffle_window <= 0:
             raise ValueError(f"data.shuffle_window={shuffle_window} must be > 0")
+        self.dataset, self.sizes = dataset, list(sizes)
         self.env, self.batch_size, self.seed, self.drop_last = env, batch_size, seed, drop_last
         self.shuffle, self.shuffle_window, self.max_samples = shuffle, shuffle_window, max_samples
-        self.index = ShardIndex(root, split)
-        # global shuffle touches every shard at once: whole-shard readahead would only thrash
-        self.dataset = ShardDataset(self.index, transform=transform, on_corrupt=on_corrupt,
-                                    readahead=shuffle != "global")
-        self._check_truncation(on_corrupt)
-        self.num_samples = min(len(self.index), max_samples or len(self.index))
+        total = sum(self.sizes)
+        self.num_samples = min(total, max_samples or total)
         if len(self) == 0:
-            raise ShardError(f"{root} ({split}) has {self.num_samples} samples: fewer than one global batch of "
+            raise ShardError(f"{what} has {self.num_samples} samples: fewer than one global batch of "
                              f"{batch_size} x {env.world_size} ranks; hint: lower data.batch_size")
         self._sampler = _PlanSampler()
-        self._loader = _make_loader(self.dataset, self._sampler, num_workers, prefetch_factor, pin_memory,
+        self._loader = _make_loader(dataset, self._sampler, num_workers, prefetch_factor, pin_memory,
                                     persistent_workers)
         self.epoch, self.batches_done = 0, 0
         self._start_position, self._start_done = 0, 0
-        self.skipped, self.skipped_keys = 0, []  # type: tuple[int, list[str]]
-
-    def _check_truncation(self, on_corrupt: OnCorrupt) -> None:
-        for shard, key in self.index.truncated():
-            msg = (f"shard {self.index.root / shard} is truncated: sample {key!r} and those after it lie past the end "
-                   f"of the file; hint: hpctrain data verify {self.index.root}")
-            if on_corrupt == "stop":
-                raise TruncatedShardError(msg + "; data.on_corrupt=skip skips them")
-            log.warning("%s (data.on_corrupt=skip: they will be skipped and counted)", msg)
 
     # protocol -------------------------------------------------------------
     def __len__(self) -> int:
         return remaining_batches(self.num_samples, 0, self.batch_size, self.env.world_size, self.drop_last)
 
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.batches_done, self._start_position, self._start_done = 0, 0, 0
-        self.epoch = epoch
+    def _rewind(self) -> None:
+        self.batches_done, self._start_position, self._start_done = 0, 0, 0
 
     @property
     def position(self) -> int:
@@ -521,40 +519,36 @@ class ShardedLoader:
         return min(self.num_samples, self._start_position + (self.batches_done - self._start_done) * step)
 
     def order(self, epoch: int | None = None) -> np.ndarray:
-        full = epoch_order(self.index.sizes, self.seed, self.epoch if epoch is None else epoch,
+        full = epoch_order(self.sizes, self.seed, self.epoch if epoch is None else epoch,
                            self.shuffle, self.shuffle_window)
         return limit_order(full, self.max_samples)
 
     def __iter__(self) -> Iterator[Batch]:
+        token = self._begin_pass()
         self._start_position, self._start_done = self.position, self.batches_done
         self._sampler.batches = rank_plan(self.order(), self._start_position, self.batch_size, self.env, self.drop_last)
+        return self._pass_batches(token)
+
+    def _pass_batches(self, token: int) -> Iterator[Batch]:
         for batch in raise_worker_errors(iter(self._loader)):
+            if not self._current(token):
+                return
             self.batches_done += 1
-            self._count_skipped(batch)
+            self._seen(batch)
             yield batch
-        if self.skipped:
-            log.warning("epoch %d: %d bad samples skipped so far on rank %d (data.on_corrupt=skip), first: %s",
-                        self.epoch, self.skipped, self.env.rank, ", ".join(self.skipped_keys[:5]))
-        self.epoch += 1
-        self.batches_done, self._start_position, self._start_done = 0, 0, 0
+        self._epoch_done()
+        self._end_pass(token)
 
-    def _count_skipped(self, batch: Batch) -> None:
-        if batch.mask is None:
-            return
-        bad = [k for k, m in zip(batch.keys, batch.mask.tolist()) if not m and k]
-        if bad:
-            self.skipped += len(bad)
-            self.skipped_keys += bad[: max(0, 100 - len(self.skipped_keys))]
+    def _seen(self, batch: Batch) -> None:
+        """Each batch as it is yielded (a subclass counts what it needs)."""
 
-    def stats(self) -> dict[str, Any]:
-        """Counters for metrics and the run summary (skipped bad samples on this rank)."""
-        return {"skipped_samples": self.skipped, "skipped_keys": list(self.skipped_keys)}
+    def _epoch_done(self) -> None:
+        """The epoch's last batch was yielded."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "num_samples": self.num_samples,
                 "seed": self.seed, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
-                "batches_done": self.batches_done, "world_size": self.env.world_size,
-                "skipped_samples": self.skipped}
+                "batches_done": self.batches_done, "world_size": self.env.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("num_samples", "seed", "shuffle", "shuffle_window"):
@@ -569,7 +563,85 @@ class ShardedLoader:
         # position need not fall on a batch boundary of ours, so count back from the end.
         self.batches_done = self._start_done = len(self) - left
         self._start_position = position
+        self._place()
+
+
+class ShardedLoader(PlanLoader):
+    """Training batches from tar shards for this rank (a :class:`PlanLoader` over the shards'
+    samples); bad samples are stopped at or skipped and counted (``data.on_corrupt``)."""
+
+    def __init__(self, root: str | Path, env: ClusterEnv, batch_size: int, *, split: str = "train", seed: int = 0,
+                 shuffle: Shuffle = "shard", shuffle_window: int = 1000, drop_last: bool = True,
+                 num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
+                 persistent_workers: bool = True, transform: Transform | None = None,
+                 on_corrupt: OnCorrupt = "stop", max_samples: int | None = None) -> None:
+        self.index = ShardIndex(root, split)
+        # global shuffle touches every shard at once: whole-shard readahead would only thrash
+        dataset = ShardDataset(self.index, transform=transform, on_corrupt=on_corrupt, readahead=shuffle != "global")
+        self._check_truncation(on_corrupt)
+        super().__init__(dataset, self.index.sizes, env, batch_size, seed=seed, shuffle=shuffle,
+                         shuffle_window=shuffle_window, drop_last=drop_last, num_workers=num_workers,
+                         prefetch_factor=prefetch_factor, pin_memory=pin_memory,
+                         persistent_workers=persistent_workers, max_samples=max_samples, what=f"{root} ({split})")
+        self.dataset: ShardDataset = dataset
+        self.skipped, self.skipped_keys = 0, []  # type: tuple[int, list[str]]
+
+    def _check_truncation(self, on_corrupt: OnCorrupt) -> None:
+        for shard, key in self.index.truncated():
+            msg = (f"shard {self.index.root / shard} is truncated: sample {key!r} and those after it lie past the end "
+                   f"of the file; hint: hpctrain data verify {self.index.root}")
+            if on_corrupt == "stop":
+                raise TruncatedShardError(msg + "; data.on_corrupt=skip skips them")
+            log.warning("%s (data.on_corrupt=skip: they will be skipped and counted)", msg)
+
+    def _epoch_done(self) -> None:
+        if self.skipped:
+            log.warning("epoch %d: %d bad samples skipped so far on rank %d (data.on_corrupt=skip), first: %s",
+                        self.epoch, self.skipped, self.env.rank, ", ".join(self.skipped_keys[:5]))
+
+    def _seen(self, batch: Batch) -> None:
+        if batch.mask is None:
+            return
+        bad = [k for k, m in zip(batch.keys, batch.mask.tolist()) if not m and k]
+        if bad:
+            self.skipped += len(bad)
+            self.skipped_keys += bad[: max(0, 100 - len(self.skipped_keys))]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics and the run summary (skipped bad samples on this rank)."""
+        return {"skipped_samples": self.skipped, "skipped_keys": list(self.skipped_keys)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "skipped_samples": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.skipped = int(state.get("skipped_samples", 0))
+
+
+class IndexedBatches(Dataset):
+    """A map-style dataset read by a :class:`PlanLoader`: ``batched`` (an ArrayDataset or
+    ItemDataset) gives the samples; a PAD slot repeats a real sample, masked, key -1."""
+
+    def __init__(self, batched: BatchedDataset) -> None:
+        self.batched = batched
+
+    def __len__(self) -> int:
+        return len(self.batched)
+
+    def __getitems__(self, ids: list[int]) -> Batch | WorkerError:
+        return in_worker(self.batch, ids)
+
+    def batch(self, ids: list[int]) -> Batch:
+        fill = next((i for i in ids if i != PAD), 0)
+        batch = self.batched.__getitems__([i if i != PAD else fill for i in ids])
+        if PAD not in ids:
+            return batch
+        real = torch.tensor([i != PAD for i in ids])
+        return Batch(batch.inputs, batch.targets, torch.tensor(ids, dtype=torch.int64), real)
+
+    def template(self) -> Batch:
+        return self.batch([0])
 
 
 # ---------------------------------------------------------------- the evaluation loader

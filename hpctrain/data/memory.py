@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from hpctrain.data.batch import Batch, batched, pass_batch
+from hpctrain.data.passes import Passes
 from hpctrain.env import ClusterEnv
 
 D = TypeVar("D", bound=Dataset)  # the dataset as given: loader.dataset keeps its type
@@ -33,12 +34,12 @@ class _SkipSampler(Sampler[int]):
         return max(0, len(self.inner) - self.start)
 
 
-class MemoryLoader(Generic[D]):
+class MemoryLoader(Passes, Generic[D]):
     """Per-rank batches of a map-style dataset, in DistributedSampler order.
 
     The global order depends only on (seed, epoch), so a run with batch b on N ranks sees
-    exactly the samples of a run with batch N*b on one rank. ``set_epoch`` must be called
-    each epoch (the training loop does).
+    exactly the samples of a run with batch N*b on one rank. Each ``iter()`` is a pass over an
+    epoch (:mod:`~hpctrain.data.passes`); ``set_epoch`` picks the epoch (the training loop does).
     """
 
     def __init__(self, dataset: D, env: ClusterEnv, batch_size: int, *, seed: int = 0,
@@ -59,24 +60,27 @@ class MemoryLoader(Generic[D]):
         self.epoch, self.batches_done = 0, 0
         self._loader: DataLoader | None = None
 
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.batches_done = 0
-        self.epoch = epoch
-        self.sampler.set_epoch(epoch)
+    def _rewind(self) -> None:
+        self.batches_done = 0
+        self.sampler.set_epoch(self.epoch)
 
     def __len__(self) -> int:
         per_rank = len(self.sampler)
         return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
+        token = self._begin_pass()
+        self.sampler.set_epoch(self.epoch)  # also after Lightning set the sampler's epoch its own way
+        return self._pass_batches(token)
+
+    def _pass_batches(self, token: int) -> Iterator[Batch]:
         batches = self._in_process() if self.num_workers == 0 else self._through_workers()
         for batch in batches:
+            if not self._current(token):
+                return
             self.batches_done += 1
             yield batch
-        self.batches_done = 0
-        self.epoch += 1
-        self.sampler.set_epoch(self.epoch)
+        self._end_pass(token)
 
     def _in_process(self) -> Iterator[Batch]:
         # Without workers a DataLoader adds only per-batch Python overhead to what is one
@@ -108,6 +112,7 @@ class MemoryLoader(Generic[D]):
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.set_epoch(int(state["epoch"]))
         self.batches_done = int(state["batches_done"])
+        self._place()
 
 
 def rank_slice(n: int, env: ClusterEnv) -> range:

@@ -30,6 +30,8 @@ class PackOptions:
     image_size: int | None = None  # imagefolder: resize every image to image_size x image_size; None = one size
     classes: tuple[str, ...] | None = None  # imagefolder: another split's class names, which number the labels
     allow_missing_classes: bool = False  # imagefolder: this split may lack some of ``classes``
+    input_columns: list[str] | None = None  # tables: the input columns; None = every column but the label
+    label_column: str = "label"  # tables: the column of class ids
 
 
 DEFAULT_PACK = PackOptions()

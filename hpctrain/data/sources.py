@@ -36,6 +36,7 @@ class Source:
     memory: str | None = None
     shards: str | None = None
     pack: str | None = None
+    splits: str | None = None  # data.name=NAME:ARG read as datasets: fn(data, arg, seed) -> hpctrain.data.user.UserData
     pack_arg: str = ""  # what ``hpctrain data shard NAME:ARG`` needs after the colon ("PATH", "N"); "" = optional
     pack_splits: tuple[str, ...] = ("train",)  # the splits ``hpctrain data shard`` writes without --split
     note: str = ""  # shown after the name in data.name's list of choices
@@ -47,9 +48,15 @@ _SOURCES: dict[str, Source] = {
     "synthetic_cifar": Source(memory="hpctrain.data.synthetic:cifar_split",
                               pack="hpctrain.data.synthetic:synthetic_cifar_source", pack_arg="N"),
     "synthetic_tiny": Source(memory="hpctrain.data.synthetic:tiny_split"),
-    "imagefolder": Source(pack="hpctrain.data.files:imagefolder_source", pack_arg="PATH"),
+    "imagefolder": Source(pack="hpctrain.data.files:imagefolder_source", pack_arg="PATH",
+                          splits="hpctrain.data.images:imagefolder_splits"),
     "npz": Source(pack="hpctrain.data.files:npz_source", pack_arg="PATH"),
-    "jsonl": Source(pack="hpctrain.data.files:jsonl_source", pack_arg="PATH"),
+    "jsonl": Source(pack="hpctrain.data.tables:jsonl_pack", pack_arg="PATH",
+                    splits="hpctrain.data.tables:table_splits"),
+    "csv": Source(pack="hpctrain.data.tables:csv_pack", pack_arg="PATH", splits="hpctrain.data.tables:table_splits"),
+    "parquet": Source(pack="hpctrain.data.tables:parquet_pack", pack_arg="PATH",
+                      splits="hpctrain.data.tables:table_splits"),
+    "hf": Source(pack="hpctrain.data.tables:hf_pack", pack_arg="PATH", splits="hpctrain.data.tables:table_splits"),
     "text": Source(pack="hpctrain.data.text:text_pack", pack_arg="PATH", pack_splits=("train", "val")),
     "shakespeare": Source(shards="hpctrain.data.text:shakespeare_shards", pack="hpctrain.data.text:shakespeare_pack",
                           pack_splits=("train", "val"), note="text, sharded on first use"),
@@ -68,9 +75,29 @@ def hook(target: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+IMPORTED = Source(splits="hpctrain.data.user:imported_splits")  # data.name=package.module:NAME
+
+
 def data_choices() -> list[str]:
     """What ``data.name`` accepts, with a note where one helps."""
-    return [n + (f" ({s.note})" if s.note else "") for n, s in _SOURCES.items() if s.memory or s.shards]
+    plain = [n + (f" ({s.note})" if s.note else "") for n, s in _SOURCES.items() if s.memory or s.shards]
+    return plain + [f"{n}:PATH" for n, s in _SOURCES.items() if s.splits] + ["package.module:NAME (your own)"]
+
+
+def resolve_source(name: str) -> tuple[Source, str]:
+    """The source ``data.name`` names and its argument: ``NAME``, ``NAME:ARG`` (a source that reads
+    datasets, e.g. ``csv:PATH``), or ``package.module:NAME`` (the whole name is the argument)."""
+    source = _SOURCES.get(name)
+    if source is not None and (source.memory or source.shards):
+        return source, ""
+    key, sep, arg = name.partition(":")
+    known = _SOURCES.get(key)
+    if sep and arg and known is not None and known.splits:
+        return known, arg
+    if sep and key and arg and known is None and "/" not in arg:  # an import path never holds a slash; a file does
+        return IMPORTED, name
+    hint = f"; hint: {key}:PATH" if known is not None and known.splits else ""
+    raise ConfigError(f"data.name={name!r} is unknown; choose one of: {', '.join(data_choices())}{hint}")
 
 
 def pack_choices() -> list[str]:
@@ -79,11 +106,8 @@ def pack_choices() -> list[str]:
 
 
 def data_source(name: str) -> Source:
-    """The source ``data.name`` names: one with a ``memory`` or ``shards`` hook."""
-    source = _SOURCES.get(name)
-    if source is None or (source.memory is None and source.shards is None):
-        raise ConfigError(f"data.name={name!r} is unknown; choose one of: {', '.join(data_choices())}")
-    return source
+    """The source ``data.name`` names (see :func:`resolve_source`)."""
+    return resolve_source(name)[0]
 
 
 def pack_source(spec: str) -> tuple[Source, str]:

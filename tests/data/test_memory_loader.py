@@ -164,7 +164,8 @@ def test_datasets_the_loaders_cannot_read_are_named():
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(UserError, match=r"Records\[0\] is a dict, not an \(input, target\) pair"):
+    with pytest.raises(UserError, match=r"Records\[0\] has none of the usual label keys .* it has \['x'\]; "
+                                        r"hint: set data.label_key=KEY"):
         next(iter(EvalLoader(Records(), ClusterEnv(), 2)))
     with pytest.raises(UserError, match="Stream is not a map-style dataset"):
         MemoryLoader(Stream(), ClusterEnv(), 2)

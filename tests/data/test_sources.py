@@ -33,14 +33,15 @@ CPU = torch.device("cpu")
 def test_unknown_names_list_the_valid_ones():
     with pytest.raises(ConfigError, match=r"data.name='cifar11' is unknown; choose one of: mnist, fashion_mnist, "
                                           r"synthetic_cifar, synthetic_tiny, shakespeare \(text, sharded on first "
-                                          r"use\), shards \(with data.path\)$"):
+                                          r"use\), shards \(with data.path\), imagefolder:PATH, jsonl:PATH, "
+                                          r"csv:PATH, parquet:PATH, hf:PATH, package.module:NAME \(your own\)$"):
         data_source("cifar11")
     with pytest.raises(ConfigError, match="data.name='npz' is unknown"):  # a pack-only source is no data.name
         load_dataset("npz", "train")
     for spec in ("bogus", "npz", "shards"):  # unknown, its PATH missing, not a source to pack
         with pytest.raises(ShardError, match=rf"unknown source '{spec}'; choose one of: mnist, fashion_mnist, "
                                              r"synthetic_cifar:N, imagefolder:PATH, npz:PATH, jsonl:PATH, "
-                                             r"text:PATH, shakespeare$"):
+                                             r"csv:PATH, parquet:PATH, hf:PATH, text:PATH, shakespeare$"):
             open_source(spec, "train")
     with pytest.raises(ShardError, match="synthetic_cifar:x: N must be a positive number"):
         open_source("synthetic_cifar:x", "train")
@@ -49,7 +50,7 @@ def test_unknown_names_list_the_valid_ones():
 def test_every_hook_in_the_table_resolves():
     """The table names its functions as import paths: a typo would only show when that source is used."""
     for name, source in sources._SOURCES.items():
-        hooks = [t for t in (source.memory, source.shards, source.pack) if t is not None]
+        hooks = [t for t in (source.memory, source.shards, source.pack, source.splits) if t is not None]
         assert hooks, name
         for target in hooks:
             assert callable(sources.hook(target)), f"{name}: {target}"

@@ -1,0 +1,283 @@
+"""Data as users have it: ``data.name=package.module:NAME``, and the file sources that read into
+the same shape (``csv:``, ``parquet:``, ``jsonl:``, ``hf:``, ``imagefolder:``).
+
+``NAME`` is a mapping, or a callable returning one (given ``path=data.path`` and/or ``seed``
+when its signature takes them), with the key ``train`` and optionally ``val`` (or
+``validation``) and ``test``; its values are:
+
+* map-style ``torch.utils.data.Dataset``\\ s (items ``(input, target)``, or dicts read by
+  ``data.input_key`` / ``data.label_key``; ``data.collate`` replaces the default collate),
+  including Hugging Face ``datasets.Dataset``: split by rank and worker by a
+  :class:`~hpctrain.data.loader.PlanLoader`, exactly as tar shards are;
+* ``IterableDataset``\\ s with ``__len__``: read by a :class:`StreamLoader`.
+
+Optional keys: ``num_classes`` (else the dataset's ``classes`` / ``num_classes`` / Hugging Face
+``ClassLabel``, else ``model.num_classes``) and ``task`` (``classification``, or ``causal_lm``
+for token windows: an item is a window of ``seq_len + 1`` token ids).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import Dataset, IterableDataset
+
+from hpctrain.data.batch import (
+    INPUT_KEYS,
+    LABEL_KEYS,
+    ArrayDataset,
+    Batch,
+    BatchedDataset,
+    ItemDataset,
+    ItemSpec,
+    batched,
+)
+from hpctrain.data.config import DataConfig
+from hpctrain.data.errors import DataFormatError
+from hpctrain.data.loader import remaining_batches
+from hpctrain.data.passes import Passes
+from hpctrain.env import ClusterEnv
+from hpctrain.section import load_import_path
+
+log = logging.getLogger("hpctrain")
+CLASSIFICATION, CAUSAL_LM = "classification", "causal_lm"
+VAL_ALIASES = {"val": ("val", "validation", "valid"), "test": ("test",)}
+
+
+@dataclass
+class UserData:
+    """The splits a source gives, and what it says about them."""
+
+    name: str  # data.name, for messages
+    train: Any
+    val: Any = None
+    num_classes: int | None = None
+    task: str = CLASSIFICATION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- data.name=package.module:NAME
+
+
+def imported_splits(data: DataConfig, arg: str, seed: int) -> UserData:
+    """Source hook: the mapping ``package.module:NAME`` gives (``arg`` is the whole import path)."""
+    obj = load_import_path("data.name", arg, DataFormatError)
+    if callable(obj) and not isinstance(obj, Mapping):
+        obj = _call(arg, obj, {"path": data.path, "seed": seed})
+    return from_mapping(arg, obj, data.val_split)
+
+
+def _call(name: str, fn: Any, offered: dict[str, Any]) -> Any:
+    try:
+        params = dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = {}  # a builtin or C callable: no arguments
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in offered.items() if takes_all or k in params}
+    try:
+        return fn(**kwargs)
+    except Exception as err:  # noqa: BLE001 - the user's code failed: their message, named, no traceback
+        raise DataFormatError(f"data.name={name} raised {type(err).__name__}: {err}; hint: call it yourself "
+                              "in Python to see the traceback") from None
+
+
+def from_mapping(name: str, splits: Any, val_split: str) -> UserData:
+    """A source's ``{train: ..., val: ...}`` mapping as :class:`UserData`; a wrong shape is refused."""
+    if not isinstance(splits, Mapping) or "train" not in splits:
+        got = f"a mapping with keys {sorted(map(str, splits))}" if isinstance(splits, Mapping) else (
+            f"a {type(splits).__name__}")
+        raise DataFormatError(f"data.name={name} gave {got}; hint: return {{'train': dataset, 'val': dataset}} "
+                              "(val optional), each a map-style Dataset, an IterableDataset or a datasets.Dataset")
+    val = next((splits[k] for k in VAL_ALIASES[val_split] if splits.get(k) is not None), None)
+    task = str(splits.get("task", CLASSIFICATION))
+    if task not in (CLASSIFICATION, CAUSAL_LM):
+        raise DataFormatError(f"data.name={name}: task={task!r} is not one of {CLASSIFICATION}, {CAUSAL_LM}")
+    for split, dataset in (("train", splits["train"]), (val_split, val)):
+        if dataset is not None and not isinstance(dataset, Dataset) and not _is_hf(dataset):
+            raise DataFormatError(f"data.name={name}: {split} is a {type(dataset).__name__}, not a "
+                                  "torch.utils.data.Dataset, IterableDataset or datasets.Dataset; hint: wrap it, "
+                                  "e.g. torch.utils.data.TensorDataset(inputs, labels)")
+    count = splits.get("num_classes") or splits.get("vocab_size")
+    return UserData(name, splits["train"], val, int(count) if count else None, task)
+
+
+# ---------------------------------------------------------------- what the data says about itself
+
+
+def _is_hf(dataset: Any) -> bool:
+    """A Hugging Face ``datasets.Dataset`` / ``IterableDataset`` (checked without importing datasets)."""
+    return type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "with_format")
+
+
+def spec_for(user: UserData, data: DataConfig, split: str, num_classes: int | None) -> ItemSpec:
+    """How ``split``'s items become batches (keys, collate, the label range to check)."""
+    collate = load_import_path("data.collate", data.collate, DataFormatError) if data.collate else None
+    return ItemSpec(f"data.name={user.name} {split}", data.input_key, data.label_key, collate, num_classes,
+                    labelled=user.task == CLASSIFICATION)
+
+
+def hf_view(dataset: Any, data: DataConfig) -> Any:
+    """A Hugging Face dataset as torch tensors, only the input and label columns (strings stay out)."""
+    columns = list(dataset.column_names or [])
+    chosen = [c for c in (data.input_key, data.label_key) if c is not None]
+    for key, candidates in ((data.input_key, INPUT_KEYS), (data.label_key, LABEL_KEYS)):
+        if key is None:
+            chosen += [c for c in candidates if c in columns][:1]
+    return dataset.with_format("torch", columns=[c for c in chosen if c in columns] or None)
+
+
+def class_count(user: UserData, data: DataConfig, model_classes: int | None) -> int | None:
+    """The class count: the mapping's, the dataset's own (``classes``, ``num_classes``, a Hugging
+    Face ``ClassLabel``), or the model's."""
+    if user.num_classes:
+        return user.num_classes
+    train = user.train
+    if isinstance(train, ArrayDataset):
+        return train.num_classes
+    classes = getattr(train, "classes", None)
+    if isinstance(classes, (list, tuple)) and classes:
+        return len(classes)
+    own = getattr(train, "num_classes", None)
+    if isinstance(own, int) and own > 0:
+        return own
+    features = getattr(train, "features", None)
+    label = data.label_key or next((k for k in LABEL_KEYS if features is not None and k in features), None)
+    feature = features.get(label) if features is not None and label is not None else None
+    count = getattr(feature, "num_classes", None)  # a Hugging Face ClassLabel
+    return int(count) if count else model_classes
+
+
+def map_style(dataset: Any, data: DataConfig, spec: ItemSpec) -> BatchedDataset:
+    """A map-style split read a batch at a time (a UserError for one that is not)."""
+    if _is_hf(dataset):
+        dataset = hf_view(dataset, data)
+    if isinstance(dataset, ArrayDataset):
+        return dataset
+    return batched(dataset, spec)
+
+
+def is_stream(dataset: Any) -> bool:
+    return isinstance(dataset, IterableDataset)
+
+
+# ---------------------------------------------------------------- IterableDataset
+
+
+class StreamLoader(Passes):
+    """Training batches of an ``IterableDataset`` that has ``__len__`` (samples per epoch).
+
+    Every rank reads the same stream in the training process: global step ``s`` takes its items
+    ``[s*B*W, (s+1)*B*W)`` and rank ``r`` the ``r``-th block of ``B``, the plan the shards follow
+    with the stream's own order. A ``Stateful`` stream (``state_dict`` / ``load_state_dict``,
+    e.g. a Hugging Face ``IterableDataset``) resumes exactly, also at another world size (its
+    state is at a global step boundary on every rank); any other restarts its epoch on resume,
+    and the run says so once. ``set_epoch`` is passed on when the stream has one."""
+
+    def __init__(self, dataset: IterableDataset, items: ItemDataset, env: ClusterEnv, batch_size: int, *,
+                 drop_last: bool = True, max_samples: int | None = None, name: str = "data") -> None:
+        if not hasattr(dataset, "__len__"):
+            raise DataFormatError(f"{name}: the IterableDataset {type(dataset).__name__} has no __len__; hint: "
+                                  "define __len__ (samples per epoch): the loop plans its steps from it")
+        total = len(dataset)
+        self.dataset, self.items, self.env, self.name = dataset, items, env, name
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.num_samples = min(total, max_samples or total)
+        self.stateful = isinstance(dataset, Stateful)
+        self.epoch, self.batches_done = 0, 0
+        self._position = 0  # stream items this epoch consumed by all ranks (restored: where the stream resumes)
+        self._resuming = False  # a Stateful stream was restored: the next pass continues it
+        if len(self) == 0:
+            raise DataFormatError(f"{name} has {self.num_samples} samples: fewer than one global batch of "
+                                  f"{batch_size} x {env.world_size} ranks; hint: lower data.batch_size")
+
+    def __len__(self) -> int:
+        return remaining_batches(self.num_samples, 0, self.batch_size, self.env.world_size, self.drop_last)
+
+    def _rewind(self) -> None:
+        self.batches_done, self._position = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if not self._resuming:  # a stream cannot continue a pass it left: only a restored one resumes
+            self._rewind()
+
+    def __iter__(self) -> Iterator[Batch]:
+        token = self._begin_pass()
+        if not self._resuming:
+            self._rewind()
+            set_epoch = getattr(self.dataset, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
+        self._resuming = False
+        return self._pass_batches(token)
+
+    def _pass_batches(self, token: int) -> Iterator[Batch]:
+        step, rank, size = self.batch_size * self.env.world_size, self.env.rank, self.batch_size
+        stream = iter(self.dataset)
+        while self.batches_done < len(self):
+            chunk = list(islice(stream, min(step, self.num_samples - self._position)))
+            if not chunk or not self._current(token):
+                return
+            self._position += len(chunk)
+            first = self._position - len(chunk)
+            mine = list(range(rank * size, min((rank + 1) * size, len(chunk))))
+            self.batches_done += 1
+            yield self._batch(chunk, mine, first)
+        self._end_pass(token)
+
+    def _batch(self, chunk: list[Any], mine: list[int], first: int) -> Batch:
+        """This rank's block of a global step; the last, short step padded with masked copies."""
+        slots = mine + [mine[-1] if mine else 0] * (self.batch_size - len(mine))
+        batch = self.items.collate([chunk[i] for i in slots], torch.tensor([first + i for i in slots]))
+        if len(mine) == self.batch_size:
+            return batch
+        mask = torch.tensor([k < len(mine) for k in range(self.batch_size)])
+        return Batch(batch.inputs, batch.targets, batch.keys, mask)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_done": self.batches_done, "position": self._position,
+                                 "num_samples": self.num_samples, "world_size": self.env.world_size}
+        if self.stateful:
+            state["stream"] = self.dataset.state_dict()  # type: ignore[attr-defined]  # Stateful: checked
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.set_epoch(int(state["epoch"]))
+        if self.stateful and "stream" in state and int(state.get("position", 0)) > 0:
+            self.dataset.load_state_dict(state["stream"])  # type: ignore[attr-defined]  # Stateful: checked
+            self._position = int(state["position"])
+            left = remaining_batches(self.num_samples, self._position, self.batch_size, self.env.world_size,
+                                     self.drop_last)
+            self.batches_done = len(self) - left
+            self._resuming = True
+        elif int(state.get("position", 0)) > 0 and self.env.rank == 0:
+            log.warning("%s: the IterableDataset %s is not Stateful (no state_dict/load_state_dict): the resumed "
+                        "run restarts epoch %d from its first sample; hint: make it Stateful to resume exactly",
+                        self.name, type(self.dataset).__name__, self.epoch)
+        self._place()
+
+
+def materialize(dataset: IterableDataset, limit: int | None = None) -> list[Any]:
+    """A validation stream read whole (or its first ``limit`` items) into memory, so that every
+    rank evaluates its own slice exactly once (each rank reads the stream)."""
+    return list(islice(dataset, limit))
+
+
+class ListDataset(Dataset):
+    """Items in a list, map-style (a materialized validation stream)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.items[index]
