@@ -15,7 +15,9 @@ if TYPE_CHECKING:  # the same names as _EXPORTS, for type checkers (tests/test_i
     from hpctrain.config import Config, ConfigError, load_config
     from hpctrain.data.memory import EvalLoader
     from hpctrain.env import ClusterEnv, detect, init_distributed, teardown
-    from hpctrain.evaluation.evaluate import evaluate
+    from hpctrain.checkpoint.loop import LoopCheckpoint
+    from hpctrain.data.sampler import EvalSampler, ResumableSampler
+    from hpctrain.evaluation.evaluate import evaluate, evaluate_dataset, sum_over_ranks
     from hpctrain.evaluation.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric
     from hpctrain.parallel import parallelize, unwrap
     from hpctrain.precision import Precision
@@ -27,7 +29,9 @@ _EXPORTS = {
     **dict.fromkeys(("Config", "ConfigError", "load_config"), "hpctrain.config"),
     "EvalLoader": "hpctrain.data.memory",
     **dict.fromkeys(("ClusterEnv", "detect", "init_distributed", "teardown"), "hpctrain.env"),
-    "evaluate": "hpctrain.evaluation.evaluate",
+    **dict.fromkeys(("evaluate", "evaluate_dataset", "sum_over_ranks"), "hpctrain.evaluation.evaluate"),
+    "LoopCheckpoint": "hpctrain.checkpoint.loop",
+    **dict.fromkeys(("EvalSampler", "ResumableSampler"), "hpctrain.data.sampler"),
     **dict.fromkeys(("Accuracy", "ConfusionMatrix", "EvalOutput", "MeanLoss", "Metric"),
                     "hpctrain.evaluation.metrics"),
     **dict.fromkeys(("parallelize", "unwrap"), "hpctrain.parallel"),
@@ -36,8 +40,9 @@ _EXPORTS = {
 
 __all__ = [
     "Accuracy", "ClusterEnv", "Config", "ConfigError", "ConfusionMatrix", "EvalLoader", "EvalOutput",
-    "MeanLoss", "Metric", "Precision", "detect", "evaluate", "init_distributed", "load_config",
-    "parallelize", "teardown", "unwrap",
+    "EvalSampler", "LoopCheckpoint", "MeanLoss", "Metric", "Precision", "ResumableSampler", "detect",
+    "evaluate", "evaluate_dataset", "init_distributed", "load_config", "parallelize", "sum_over_ranks",
+    "teardown", "unwrap",
 ]
 
 

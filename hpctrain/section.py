@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import field
 from typing import Any, Literal, TypeVar
@@ -62,13 +64,26 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def _import_here_too(module_name: str) -> Any:
+    """``import module_name``, also from the current directory, as ``python -m`` finds it (the
+    ``hpctrain`` console script does not put the directory it is run from on ``sys.path``)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        here = os.getcwd()
+        if err.name != module_name.split(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)  # after the installed packages: never shadows one of them
+        return importlib.import_module(module_name)
+
+
 def load_import_path(key: str, value: str, error: type[UserError] | None = None) -> Any:
     """The object ``package.module:NAME`` names (``NAME`` may be dotted), or ``error`` (default
     :class:`ConfigError`, exit 2) naming ``key`` and ``value`` with a hint."""
     fail = error or ConfigError
     module_name, _, attr = value.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = _import_here_too(module_name)
     except Exception as err:  # noqa: BLE001 - any import-time failure of user code is the user's to fix
         raise fail(f"{key}={value!r}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
                    "hint: is the package installed, or its directory on PYTHONPATH?") from None

@@ -171,3 +171,18 @@ def test_the_default_run_dir_is_one_folder_whatever_the_names() -> None:
     assert resolve_run_dir(cfg.run.dir, cfg) == Path("runs/csv-data-x.csv-tests.user_models-tiny_mlp")
     cfg = load_config(None, ["run.dir=/scratch/{model.name}/seed{seed}"])
     assert resolve_run_dir(cfg.run.dir, cfg) == Path(f"/scratch/mnist_cnn/seed{cfg.seed}")
+
+
+def test_an_import_path_is_found_in_the_current_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hpctrain train model.name=mynet:Net` from the directory holding mynet.py, as `python -m`
+    would find it (the console script does not put the current directory on sys.path)."""
+    import sys
+
+    from hpctrain.section import load_import_path
+
+    (tmp_path / "hpctrain_test_here_mod.py").write_text("def make():\n    return 42\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_import_path("model.name", "hpctrain_test_here_mod:make")() == 42
+    with pytest.raises(ConfigError, match="cannot import 'no_such_module_anywhere'"):
+        load_import_path("model.name", "no_such_module_anywhere:make")

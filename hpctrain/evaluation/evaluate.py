@@ -79,6 +79,32 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
     return EvalResult(merged, time.perf_counter() - start, gathered)
 
 
+def sum_over_ranks(*values: float) -> tuple[Any, ...]:
+    """Each value summed over every rank (every rank calls it and gets the sums): per-rank test
+    totals made global, in float64 (counts stay exact to 2**53); integers come back as ints."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    totals = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(totals)
+    return tuple(int(t) if isinstance(v, int) else float(t) for v, t in zip(values, totals.tolist(), strict=True))
+
+
+def evaluate_dataset(model: nn.Module, dataset: Any, batch_size: int = 256, *,
+                     metrics: Sequence[Metric] | None = None) -> EvalResult:
+    """The exact loss and accuracy of ``model`` over a map-style ``dataset`` of ``(input, target)``,
+    every sample once across the ranks (contiguous slices: no DistributedSampler padding), the
+    same result on every rank: what a loop of your own calls in place of a rank's own test loop.
+    Every rank calls it. The loss is cross-entropy, which on log-probabilities (a final
+    ``log_softmax``) equals ``nll_loss``."""
+    from hpctrain.data.memory import EvalLoader
+    from hpctrain.env import detect
+    from hpctrain.evaluation.metrics import Accuracy, MeanLoss
+
+    env = detect()
+    device = next(model.parameters()).device
+    return evaluate(model, EvalLoader(dataset, env, batch_size), metrics or [MeanLoss(), Accuracy()], env, device)
+
+
 def lockstep(loader: EvalBatches, env: ClusterEnv, device: torch.device) -> Iterator[Batch]:
     """The loader's batches, then masked padding batches up to the largest count of any rank
     (of the whole world: the tp ranks and stages of a replica step together with the others)."""
