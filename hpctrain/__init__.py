@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 from hpctrain._version import __version__ as __version__
 
 if TYPE_CHECKING:  # the same names as _EXPORTS, for type checkers (tests/test_imports.py compares them)
+    from hpctrain.checkpoint.loop import LoopCheckpoint
     from hpctrain.config import Config, ConfigError, load_config
     from hpctrain.data.memory import EvalLoader
-    from hpctrain.env import ClusterEnv, detect, init_distributed, teardown
-    from hpctrain.checkpoint.loop import LoopCheckpoint
     from hpctrain.data.sampler import EvalSampler, ResumableSampler
+    from hpctrain.env import ClusterEnv, detect, init_distributed, teardown
     from hpctrain.evaluation.evaluate import evaluate, evaluate_dataset, sum_over_ranks
     from hpctrain.evaluation.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric
     from hpctrain.parallel import parallelize, unwrap
