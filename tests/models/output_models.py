@@ -107,3 +107,15 @@ class _RecordingLM(TinyLM):
 
 def recording_lm(vocab_size: int) -> nn.Module:
     return _RecordingLM(vocab_size)
+
+
+def token_classes() -> dict:
+    """``data.name=tests.models.output_models:token_classes``: 16 token ids (int64, below 100) per
+    sample, the class (3) by which third of the vocabulary the first token falls in: integer
+    inputs for a BERT-style classifier, as users' own datasets hold them."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 99, (96, 16), generator=gen)
+    labels = ids[:, 0] // 33
+    data = torch.utils.data
+    dataset = data.TensorDataset(ids, labels)
+    return {"train": data.Subset(dataset, range(64)), "val": data.Subset(dataset, range(64, 96)), "num_classes": 3}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from hpctrain.parallel.meta import on_meta
 from hpctrain.parallel.units import transformer_blocks
 from hpctrain.section import ConfigError
 from hpctrain.tasks import CausalLM, Classification
+from hpctrain.train import train
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import run_ranks, train_cases
 
@@ -262,3 +264,15 @@ def test_gpt2_from_a_config_learns_shakespeare_and_resumes_bit_for_bit(proof, st
     rows = [json.loads(line) for line in (root / strategy / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r and "val_loss" not in r]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses  # from ~ln(256) = 5.5 down
+
+
+def test_a_bert_classifier_trains_on_a_users_integer_token_dataset(tmp_path):
+    """Token ids stay int64 from a user's Dataset to the model (an embedding refuses floats), the
+    classifier's (B, C) logits are checked against the data's classes, validation counts every sample."""
+    pytest.importorskip("transformers")
+    cfg = load_config(None, ["model.name=examples.hf_models:bert_classifier", "model.seq_len=16", "model.vocab=100",
+                             "data.name=tests.models.output_models:token_classes", "data.batch_size=16",
+                             "train.max_steps=4", "train.progress=false", "checkpoint.enabled=false",
+                             "optim.name=adamw", "optim.lr=0.01", f"run.dir={tmp_path / 'run'}"])
+    summary = train(cfg)
+    assert summary["steps"] == 4 and summary["val_count"] == 32 and math.isfinite(summary["val_loss"])
