@@ -78,7 +78,8 @@ def png(img: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def build(root: Path, n: int, per_shard: int) -> dict[str, Path]:
+def build(root: Path, n: int, per_shard: int, peers: Iterable[str] | None = None) -> dict[str, Path]:
+    peers = OTHERS if peers is None else tuple(peers)  # the peers to build for (all by default)
     x, y = images(n)
     encoded = [png(img) for img in x]
     folder = root / "folder"
@@ -95,8 +96,10 @@ def build(root: Path, n: int, per_shard: int) -> dict[str, Path]:
                  root / "shards-npy", "train", samples_per_shard=per_shard, meta=meta_npy)
     paths = {"folder": folder, "shards-png": root / "shards-png", "shards-npy": root / "shards-npy"}
     per_shard_bytes = per_shard * int(np.mean([len(e) for e in encoded[:1000]]))  # shards of the same size
-    paths["litdata-png"] = build_litdata(root / "litdata-png", encoded, y, per_shard_bytes)
-    paths["mds-png"] = build_mds(root / "mds-png", encoded, y, per_shard_bytes)
+    if "litdata-png" in peers:
+        paths["litdata-png"] = build_litdata(root / "litdata-png", encoded, y, per_shard_bytes)
+    if "mds-png" in peers:
+        paths["mds-png"] = build_mds(root / "mds-png", encoded, y, per_shard_bytes)
     return paths
 
 
@@ -238,6 +241,22 @@ READERS: dict[str, tuple[str, Callable[[Path, int], Iterable]]] = {
     "mds-png": ("mds-png", mds_batches),
 }
 OTHERS = ("wds-png", "litdata-png", "mds-png")
+PEER_MODULES = {"wds-png": "webdataset", "litdata-png": "litdata", "mds-png": "streaming"}
+
+
+def missing_peers(readers: Iterable[str]) -> dict[str, str]:
+    """Each asked-for peer whose library does not import here, with why: a fresh venv may lack it,
+    or one of its own imports (litdata imports boto3, which its wheel does not require)."""
+    missing = {}
+    for reader in readers:
+        module = PEER_MODULES.get(reader)
+        if module is None:
+            continue
+        try:
+            _streaming() if module == "streaming" else __import__(module)
+        except Exception as err:  # noqa: BLE001 - any import failure of a peer: report it, run the others
+            missing[reader] = f"{type(err).__name__}: {err}"
+    return missing
 
 
 # ---------------------------------------------------------------- cache control and timing
@@ -325,18 +344,22 @@ def train_wait(root: Path, steps: int, workers: list[int]) -> list[dict]:
 
 
 def ratios(rows: list[dict]) -> dict[str, float]:
-    """Each reader at its best worker count; the headline is PNG shards vs the PNG folder (same bytes)."""
+    """Each reader at its best worker count; the headline is PNG shards vs the PNG folder (same
+    bytes); "best other" is the best of the peers that ran (the JSON's ``skipped`` says which did not)."""
     def best(reader: str, cache: str) -> float:
         return max(r["samples_per_s"] for r in rows if r["reader"] == reader and r["cache"] == cache)
+    ran = {r["reader"] for r in rows}
+    peers = [r for r in OTHERS if r in ran]
     out = {}
     for c in ("cold", "warm"):
-        others = max(best(r, c) for r in OTHERS)
         out |= {f"png_shards_vs_png_folder_{c}": best("shards-png", c) / best("folder", c),
                 f"png_shards_pil_vs_png_folder_{c}": best("shards-png-pil", c) / best("folder", c),
-                f"npy_shards_vs_png_folder_{c}": best("shards-npy", c) / best("folder", c),
-                f"vs_best_other_{c}": best("shards-png", c) / others,
-                f"pil_vs_best_other_{c}": best("shards-png-pil", c) / others}
-        out |= {f"vs_{r}_{c}": best("shards-png", c) / best(r, c) for r in OTHERS}
+                f"npy_shards_vs_png_folder_{c}": best("shards-npy", c) / best("folder", c)}
+        if peers:
+            others = max(best(r, c) for r in peers)
+            out |= {f"vs_best_other_{c}": best("shards-png", c) / others,
+                    f"pil_vs_best_other_{c}": best("shards-png-pil", c) / others}
+        out |= {f"vs_{r}_{c}": best("shards-png", c) / best(r, c) for r in peers}
     return out
 
 
@@ -351,7 +374,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for reader in READERS:
             pts = sorted((r["workers"], r["samples_per_s"]) for r in rows
                          if r["reader"] == reader and r["cache"] == cache)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=reader)
+            if pts:  # a skipped peer has none
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=reader)
         ax.set_title(f"page cache {cache}")
         ax.set_xlabel("DataLoader workers")
         ax.grid(alpha=0.3)
@@ -377,16 +401,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     workers = [int(w) for w in args.workers.split(",")]
+    asked = args.readers.split(",")
+    skipped = missing_peers(asked)
+    for reader, why in skipped.items():
+        print(f"skipped {reader}: {why} (install it to compare; the others run)", flush=True)
+    readers = [r for r in asked if r not in skipped]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.dir or tmp)
         t0 = time.perf_counter()
-        paths = build(root, args.samples, args.per_shard)
+        paths = build(root, args.samples, args.per_shard, peers=[r for r in OTHERS if r in readers])
         print(f"built {args.samples} samples in {time.perf_counter() - t0:.1f} s under {root}", flush=True)
-        rows, how = run_matrix(paths, workers, args.repeats, args.readers.split(","))
+        rows, how = run_matrix(paths, workers, args.repeats, readers)
         train_workers = [int(w) for w in args.train_workers.split(",")]
         waits = train_wait(root, args.train_steps, train_workers) if args.train_steps else []
-    complete = {r["reader"] for r in rows} == set(READERS)
-    result = {**(ratios(rows) if complete else {}), "cold_method": how, "cpus": os.cpu_count(),
+    ours = {"folder", "shards-png", "shards-png-pil", "shards-npy"}
+    complete = ours <= {r["reader"] for r in rows}
+    result = {**(ratios(rows) if complete else {}), "skipped": skipped, "cold_method": how, "cpus": os.cpu_count(),
               "samples": args.samples, "rows": rows, "train": waits}
     print(json.dumps({k: v for k, v in result.items() if k not in ("rows",)}, indent=1))
     if args.plot:
