@@ -10,7 +10,9 @@ Writes (each durable: fsync before the clock stops):
 * ``torch.save(model.state_dict())`` to a file, then fsync;
 * ``torch.distributed.checkpoint.save`` (one process, ``FileSystemWriter(sync_files=True)``);
 * hpctrain's sync writer (O_DIRECT tensor bytes checksummed in parallel, skeleton and
-  per-rank files, fsync, manifest, rename, directory fsync).
+  per-rank files, fsync, manifest, rename, directory fsync), twice: with the default
+  checksum (``checkpoint.hash``: xxh3, crc32 without the xxhash package; ``hash`` in the
+  output) and with ``checkpoint.hash=sha256`` (the ``*_sha256`` figures).
 
 Reads, each from a cold page cache (posix_fadvise DONTNEED), into the live, pre-touched model:
 
@@ -19,8 +21,13 @@ Reads, each from a cold page cache (posix_fadvise DONTNEED), into the live, pre-
 * ``torch.distributed.checkpoint.load`` (in place into the live state dict);
 * hpctrain verify+load in one pass (what resume does: every byte read once, straight into
   the live parameters, hashed by helper threads while the next bytes are read, checked
-  against the manifest before the state is used);
+  against the manifest before the state is used), of each of the two checkpoints;
 * for reference, the earlier two-pass way: verify (hash every file) then load.
+
+Within a round the methods run in an order rotated round by round. ``*_vs_best_peer``: the
+faster of torch and DCP in the same round over hpctrain (above 1: hpctrain is faster), per
+round and the median of the rounds. ``hash_GBps_*``: one stream of each checksum
+(``checkpoint.hash``) installed here, over 256 MiB.
 
 Also the async stall (time ``save()`` blocks plus the time the next ``optimizer.step()``
 waits for the writer thread's copy, against a sync save) and ``Checkpointer.resume``

@@ -10,7 +10,9 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,8 +20,9 @@ import torch
 from torch import nn
 
 from hpctrain.bench.pagecache import evict
-from hpctrain.checkpoint import layout, tensorfile
+from hpctrain.checkpoint import checksum, layout, tensorfile
 from hpctrain.checkpoint.checkpointer import Checkpointer, load_replicated
+from hpctrain.checkpoint.checksum import DEFAULT
 from hpctrain.checkpoint.state import REPLICATED_TENSORS, RNG, snapshot
 from hpctrain.checkpoint.writer import CheckpointWriter
 from hpctrain.config import load_config, to_dict
@@ -127,6 +130,13 @@ def dcp_load(model: nn.Module, path: Path) -> None:
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
 
 
+def rotated(items: list[Any], r: int) -> list[Any]:
+    """``items`` started at position ``r``: round r runs them in another order, so a busy machine's
+    drift within a round does not always hit the same method."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 def one_pass_load(parts: Parts, ckpt: Path) -> None:
     """What resume does: every file read once and checked against the manifest while read."""
     files = layout.read_manifest(ckpt)["files"]
@@ -141,37 +151,44 @@ def two_pass_load(parts: Parts, ckpt: Path) -> None:
     parts.model.load_state_dict(state["model"])
 
 
-def bench_io(scratch: Path, parts: Parts, repeats: int) -> dict[str, list[float]]:
-    """Seconds per method, one sample per round; the methods alternate within each round so
-    drift in a busy machine's load hits them alike."""
+def bench_io(scratch: Path, parts: Parts, repeats: int) -> tuple[dict[str, list[float]], str]:
+    """Seconds per method, one sample per round, and the default checkpoint.hash's algorithm.
+    hpctrain saves and loads twice: with the default checksum and with checkpoint.hash=sha256.
+    The methods alternate within each round, in a rotated order, so drift in a busy machine's
+    load hits them alike."""
     model, nbytes = parts.model, state_bytes(parts)
-    root = scratch / "run" / "checkpoints"
-    writer = CheckpointWriter(root, ClusterEnv(), keep_last=1)
+    roots = {"": scratch / "run" / "checkpoints", "_sha256": scratch / "sha256" / "checkpoints"}
+    writers = {suffix: CheckpointWriter(root, ClusterEnv(), keep_last=1, hash="sha256" if suffix else DEFAULT)
+               for suffix, root in roots.items()}
     times: dict[str, list[float]] = {}
 
     def add(name: str, seconds: float) -> None:
         times.setdefault(name, []).append(seconds)
 
-    timed_saves(writer, parts, [1])  # warm-up: page-aligned buffers, hash threads
+    for writer in writers.values():
+        timed_saves(writer, parts, [1])  # warm-up: page-aligned buffers, hash threads
     for r in range(repeats):
         add("dd_write", dd_write(scratch / "dd.bin", nbytes))
-        add("torch_save", timed(lambda: torch_save(model, scratch / "torch.pt")))
-        add("dcp_save", timed(lambda: dcp_save(model, scratch / "dcp")))
-        add("hpctrain_save", timed_saves(writer, parts, [2 + r])[0])
-        ckpt = layout.committed(root)[-1][1]
-        tensors = ckpt / REPLICATED_TENSORS
+        saves: list[tuple[str, Callable[[], Any]]] = [
+            ("torch_save", partial(torch_save, model, scratch / "torch.pt")),
+            ("dcp_save", partial(dcp_save, model, scratch / "dcp"))]
+        saves += [(f"hpctrain_save{suffix}", partial(timed_saves, w, parts, [2 + r])) for suffix, w in writers.items()]
+        for name, fn in rotated(saves, r):
+            add(name, timed(fn))
+        ckpts = {suffix: layout.committed(root)[-1][1] for suffix, root in roots.items()}
+        tensors = ckpts[""] / REPLICATED_TENSORS
         add("dd_read", dd_read(tensors))
-        for name, path, fn in (
-            ("torch_load", scratch / "torch.pt", lambda: torch_load(model, scratch / "torch.pt")),
-            ("dcp_load", scratch / "dcp", lambda: dcp_load(model, scratch / "dcp")),
-            ("hpctrain_load", ckpt, lambda c=ckpt: one_pass_load(parts, c)),
-            ("two_pass_load", ckpt, lambda c=ckpt: two_pass_load(parts, c)),
-        ):
+        loads = [("torch_load", scratch / "torch.pt", partial(torch_load, model, scratch / "torch.pt")),
+                 ("dcp_load", scratch / "dcp", partial(dcp_load, model, scratch / "dcp")),
+                 ("two_pass_load", ckpts[""], partial(two_pass_load, parts, ckpts[""]))]
+        loads += [(f"hpctrain_load{suffix}", c, partial(one_pass_load, parts, c)) for suffix, c in ckpts.items()]
+        for name, path, fn in rotated(loads, r):
             evict(path)
             add(name, timed(fn))
         add("file_bytes", float(tensors.stat().st_size))
-    writer.close()
-    return times
+    for writer in writers.values():
+        writer.close()
+    return times, writers[""].algorithm.name
 
 
 def bench_resume(root: Path, parts: Parts, repeats: int) -> float:
@@ -236,6 +253,38 @@ def bench_async(root: Path, parts: Parts, repeats: int, step_s: float) -> tuple[
     return statistics.median(stalls), statistics.median(hook_waits), max(0.0, with_saves - base) / repeats
 
 
+def hash_speeds(nbytes: int) -> dict[str, float]:
+    """GB/s of one stream of each checkpoint.hash algorithm installed here, over ``nbytes`` in
+    16 MiB updates, best of 3 (why xxh3 is the default: docs/checkpointing.md)."""
+    view = memoryview(bytearray(range(256)) * (nbytes // 256))
+    out = {}
+    for algorithm in checksum.ALGORITHMS.values():
+        if not algorithm.available():
+            continue
+        best = float("inf")
+        for _ in range(3):
+            start, digest = time.perf_counter(), algorithm.new()
+            for offset in range(0, len(view), 16 << 20):
+                digest.update(view[offset : offset + (16 << 20)])
+            digest.digest()
+            best = min(best, time.perf_counter() - start)
+        out[f"hash_GBps_{algorithm.name}"] = len(view) / best / 1e9
+    return out
+
+
+def against_peers(t: dict[str, list[float]]) -> dict[str, Any]:
+    """hpctrain against the faster of torch and DCP in the same round (> 1: hpctrain is faster),
+    per round and the median of the rounds, for saves and loads, with either checksum."""
+    out: dict[str, Any] = {}
+    for op in ("save", "load"):
+        best = [min(a, b) for a, b in zip(t[f"torch_{op}"], t[f"dcp_{op}"])]
+        for suffix in ("", "_sha256"):
+            ratios = [p / h for p, h in zip(best, t[f"hpctrain_{op}{suffix}"])]
+            out[f"hpctrain_{op}{suffix}_vs_best_peer_per_round"] = [round(x, 3) for x in ratios]
+            out[f"hpctrain_{op}{suffix}_vs_best_peer"] = statistics.median(ratios)
+    return out
+
+
 def _mutable(parts: Parts) -> set[int]:
     return WholeState(parts.model, parts.optimizer).step_storages()
 
@@ -252,22 +301,24 @@ def run(scratch: Path, gb: float, repeats: int, step_s: float, width: int = 4096
     """Every figure of the benchmark, on a state of ``gb`` GB in ``scratch`` (which it fills)."""
     parts = build_parts(gb, width)
     nbytes = state_bytes(parts)
-    t = bench_io(scratch, parts, repeats)
+    t, algorithm = bench_io(scratch, parts, repeats)
     med = {name: statistics.median(values) for name, values in t.items()}
     dd_w, dd_r = nbytes / med["dd_write"], med["file_bytes"] / med["dd_read"]  # dd_* hold seconds per byte count
     resume_s = bench_resume(scratch / "run" / "checkpoints", parts, repeats)
     save_call_s, hook_wait_s, loop_extra_s = bench_async(scratch / "async" / "checkpoints", parts, repeats, step_s)
     stall_s = save_call_s + hook_wait_s
-    out: dict[str, Any] = {"state_bytes": nbytes, "repeats": repeats, "load_avg_1m": os.getloadavg()[0],
-                           "dd_write_GBps": dd_w / 1e9, "dd_read_GBps": dd_r / 1e9}
-    for name in ("torch_save", "dcp_save", "hpctrain_save"):
+    out: dict[str, Any] = {"state_bytes": nbytes, "repeats": repeats, "hash": algorithm,
+                           "load_avg_1m": os.getloadavg()[0], "dd_write_GBps": dd_w / 1e9, "dd_read_GBps": dd_r / 1e9}
+    for name in ("torch_save", "dcp_save", "hpctrain_save", "hpctrain_save_sha256"):
         out[f"{name}_s"] = med[name]
         out[f"{name}_vs_dd"] = nbytes / med[name] / dd_w
-    for name in ("torch_load", "dcp_load", "hpctrain_load", "two_pass_load"):
+    for name in ("torch_load", "dcp_load", "hpctrain_load", "hpctrain_load_sha256", "two_pass_load"):
         out[f"{name}_s"] = med[name]
         out[f"{name}_vs_dd"] = nbytes / med[name] / dd_r
     # Per round, so a noisy round compares with its own dd: the median of the ratios.
     out["hpctrain_load_vs_dd_per_round"] = [round(d / h, 3) for d, h in zip(t["dd_read"], t["hpctrain_load"])]
+    out.update(against_peers(t))
+    out.update(hash_speeds(min(nbytes, 256 << 20)))
     out.update({
         "resume_s": resume_s, "async_save_call_s": save_call_s, "async_hook_wait_s": hook_wait_s,
         "async_stall_s": stall_s, "async_stall_ratio": stall_s / med["hpctrain_save"],

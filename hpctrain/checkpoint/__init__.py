@@ -1,7 +1,8 @@
 """Checkpoints that are committed or absent: sync / async / two-tier writers, step and
 wall-clock schedules, preemption signals, automatic bit-exact resume.
 
-layout.py (commit protocol, manifest, retention), state.py (what is saved), writer.py
+layout.py (commit protocol, manifest, retention), checksum.py (the files' checksums,
+``checkpoint.hash``), state.py (what is saved), writer.py
 (how), policy.py (when), preempt.py (signals and outcome), checkpointer.py (the
 trainer's handle), cli.py (``hpctrain ckpt list|verify|export``).
 """

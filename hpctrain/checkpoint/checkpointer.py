@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain import safe_pickle
-from hpctrain.checkpoint import layout, tensorfile
+from hpctrain.checkpoint import checksum, layout, tensorfile
 from hpctrain.checkpoint.policy import Schedule
 from hpctrain.checkpoint.preempt import Agreement, SignalFlag, record_preempted
 from hpctrain.checkpoint.state import (
@@ -82,7 +82,7 @@ class Checkpointer:
         self.agree = Agreement(env, default_group(env), c.signal_check_every)
         self.writer = CheckpointWriter(self.root, env, mode=c.mode, local_dir=c.local_dir,
                                        stagger_s=c.stagger_seconds, keep_last=c.keep_last,
-                                       keep_every=c.keep_every, group=self.group)
+                                       keep_every=c.keep_every, group=self.group, hash=c.hash)
         self.schedule = Schedule(c.every_steps, c.every_seconds, c.mtbf_hours, self.view.nbytes())
         if signals is None:  # the trainer installs its own earlier, before set-up; in a user's own
             signals = SignalFlag(program_signals(c.signals))  # program, hpctrain slurm --signal's choice wins
@@ -449,7 +449,7 @@ def load_file(path: Path, files: dict[str, Any] | None = None) -> dict[str, Any]
     except OSError as err:
         raise layout.unreadable(path, err) from err
     if expect is not None:
-        _check_entry(path, expect, lambda _: _tree_entry(data))
+        _check_entry(path, expect, lambda _, algorithm: checksum.hash_bytes(data, algorithm))
     safe_pickle.check_torch_archive(data, str(path))
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -471,22 +471,16 @@ def _entry(files: dict[str, Any] | None, path: Path) -> dict[str, Any] | None:
     return entry
 
 
-def _tree_entry(data: bytes) -> dict[str, Any]:
-    digest = tensorfile.TreeHash()
-    digest.update(data)
-    return {"size": len(data), tensorfile.DIGEST: digest.hexdigest()}
-
-
-def _check_entry(path: Path, expect: dict[str, Any], hasher: Callable[[Path], dict[str, Any]]) -> None:
+def _check_entry(path: Path, expect: dict[str, Any], hasher: layout.Hasher) -> None:
+    """``path`` against its manifest entry, hashed with the algorithm the entry names."""
+    algorithm = checksum.of_entry(expect) or checksum.resolve(checksum.DEFAULT)  # none: mismatch() names it
     try:
-        got = hasher(path)
+        got = hasher(path, algorithm)
     except OSError as err:
         raise layout.unreadable(path, err) from err
-    if got["size"] != expect.get("size"):
-        raise layout.CheckpointError(f"{path}: size {got['size']} != {expect.get('size')} in the manifest "
-                                     "(truncated or overwritten)")
-    if got[tensorfile.DIGEST] != expect.get(tensorfile.DIGEST):
-        raise layout.CheckpointError(f"{path}: checksum ({tensorfile.DIGEST}) does not match the manifest (corrupted)")
+    problem = checksum.mismatch(expect, got, path)
+    if problem:
+        raise layout.CheckpointError(problem)
 
 
 def _trim_metrics(path: Path, step: int) -> None:

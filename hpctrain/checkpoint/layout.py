@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from hpctrain._version import __version__
+from hpctrain.checkpoint import checksum
+from hpctrain.checkpoint.checksum import Algorithm
 from hpctrain.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, RunError, UserError
 from hpctrain.rundir import atomic_write_text, replace_durably
 
@@ -40,10 +42,9 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 PARTIAL_PREFIX = ".partial-"
 BEST_FILE = "best.json"
-# The manifest's checksum key; tensorfile.DIGEST says the same, but tensorfile loads torch, and
-# `hpctrain ckpt list` on a login node reads manifests without it (tests/test_imports.py checks both).
-DIGEST = "sha256_tree"
-CHECKSUM_DOC = f"{DIGEST}: sha256 of the concatenated sha256 digests of the file's consecutive 64 MiB pieces"
+# The manifest key of checkpoints written before checkpoint.hash existed; tensorfile.DIGEST says the
+# same (tests/test_imports.py checks both). Every algorithm's key: checksum.ALGORITHMS.
+DIGEST = checksum.SHA256_KEY
 _NAME = re.compile(r"^step-(\d{9,})$")
 _STEP_IN_NAME = re.compile(r"step-(\d{9,})$")  # step-N, .partial-step-N, superseded-step-N
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")  # rundir.atomic_open's temporary files
@@ -102,16 +103,14 @@ def step_of(path: Path) -> int | None:
 
 
 class HashingWriter:
-    """A binary file that is checksummed (:class:`TreeHash`) while it is written and
-    fsynced on close. For the small files (``torch.save`` of skeletons, per-rank state,
-    copies); tensor bytes go through tensorfile.write."""
+    """A binary file that is checksummed (:class:`checksum.TreeHash`, with ``algorithm``, default
+    checkpoint.hash's default) while it is written and fsynced on close. For the small files
+    (``torch.save`` of skeletons, per-rank state, copies); tensor bytes go through tensorfile.write."""
 
-    def __init__(self, path: Path) -> None:
-        from hpctrain.checkpoint.tensorfile import TreeHash  # writing: torch is loaded anyway
-
+    def __init__(self, path: Path, algorithm: Algorithm | None = None) -> None:
         self.path = path
+        self._digest = checksum.TreeHash(algorithm or checksum.resolve(checksum.DEFAULT))
         self._fh: IO[bytes] = open(path, "wb")
-        self._digest = TreeHash()
         self.size = 0
 
     def write(self, data: Any) -> int:
@@ -125,23 +124,23 @@ class HashingWriter:
         self._fh.flush()
 
     def close(self) -> dict[str, Any]:
-        """fsync, close, and return the manifest entry ``{size, sha256}``."""
+        """fsync, close, and return the manifest entry ``{size, <algorithm's key>}``."""
         try:
             self._fh.flush()
             os.fsync(self._fh.fileno())
         finally:
             self._fh.close()
-        return {"size": self.size, DIGEST: self._digest.hexdigest()}
+        return self._digest.entry(self.size)
 
     def abort(self) -> None:
         self._fh.close()
 
 
-def save_file(obj: Any, path: Path) -> dict[str, Any]:
+def save_file(obj: Any, path: Path, algorithm: Algorithm | None = None) -> dict[str, Any]:
     """``torch.save`` to ``path`` (fsynced); returns its manifest entry."""
     import torch
 
-    writer = HashingWriter(path)
+    writer = HashingWriter(path, algorithm)
     try:
         torch.save(obj, writer)  # type: ignore[arg-type]
     except BaseException:
@@ -150,11 +149,9 @@ def save_file(obj: Any, path: Path) -> dict[str, Any]:
     return writer.close()
 
 
-def hash_file(path: Path) -> dict[str, Any]:
+def hash_file(path: Path, algorithm: Algorithm | None = None) -> dict[str, Any]:
     """Manifest entry of a file already on disk (DCP's files, verification)."""
-    from hpctrain.checkpoint import tensorfile
-
-    return tensorfile.hash_file(path)
+    return checksum.hash_file(path, algorithm)
 
 
 # ---------------------------------------------------------------- commit
@@ -174,10 +171,16 @@ def commit(partial: Path, final: Path, files: dict[str, dict[str, Any]], info: d
     if final.exists():
         raise CheckpointError(f"checkpoint {final} already exists; hint: two runs share run.dir, "
                               "or the step counter went back")
-    manifest = {"format_version": FORMAT_VERSION, **info, "versions": versions(), "checksum": CHECKSUM_DOC,
+    manifest = {"format_version": FORMAT_VERSION, **info, "versions": versions(), "checksum": checksum_doc(files),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
     atomic_write_text(partial / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")  # fsyncs partial/
     replace_durably(partial, final)
+
+
+def checksum_doc(files: dict[str, dict[str, Any]]) -> str:
+    """What the manifest's checksums are, for a reader without hpctrain (every algorithm the entries use)."""
+    used = {checksum.of_entry(entry) for entry in files.values()}
+    return "; ".join(sorted(a.doc for a in used if a is not None))
 
 
 def move_aside(path: Path, prefix: str, why: str) -> Path:
@@ -279,9 +282,13 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return data
 
 
-def verify(path: Path, hasher: Callable[[Path], dict[str, Any]] = hash_file) -> list[str]:
+Hasher = Callable[[Path, Algorithm], dict[str, Any]]
+
+
+def verify(path: Path, hasher: Hasher | None = None) -> list[str]:
     """Problems with a checkpoint directory (empty list = intact). A file that exists but cannot
-    be read raises :class:`UnreadableCheckpointError` instead: that is no proof of corruption."""
+    be read raises :class:`UnreadableCheckpointError` instead: that is no proof of corruption;
+    nor is a checksum whose hash is not installed here (exit 2, with the hint)."""
     path = Path(path)
     try:
         manifest = read_manifest(path)
@@ -293,25 +300,26 @@ def verify(path: Path, hasher: Callable[[Path], dict[str, Any]] = hash_file) -> 
     for name, entry in sorted(manifest["files"].items()):
         file = path / name
         try:
-            problem = _check_file(file, entry, hasher)
+            problem = _check_file(file, entry, hasher or hash_file)
         except OSError as err:
             raise unreadable(file, err) from None
+        except checksum.ChecksumUnavailableError as err:
+            raise UnreadableCheckpointError(f"{file} cannot be verified here: {err}", EXIT_USER_ERROR) from None
         if problem:
             problems.append(problem)
     return problems
 
 
-def _check_file(file: Path, entry: dict[str, Any], hasher: Callable[[Path], dict[str, Any]]) -> str | None:
+def _check_file(file: Path, entry: dict[str, Any], hasher: Hasher) -> str | None:
     if not file.exists():
         return f"{file}: missing"
     if not file.is_file():
         return f"{file}: not a file"
-    size = file.stat().st_size
-    if size != entry["size"]:
-        return f"{file}: size {size} != {entry['size']} in the manifest (truncated or overwritten)"
-    if hasher(file)[DIGEST] != entry.get(DIGEST):
-        return f"{file}: checksum ({DIGEST}) does not match the manifest (corrupted)"
-    return None
+    got: dict[str, Any] = {"size": file.stat().st_size}
+    algorithm = checksum.of_entry(entry)
+    if got["size"] == entry.get("size") and algorithm is not None:  # hashed only where the size agrees
+        got = hasher(file, algorithm)
+    return checksum.mismatch(entry, got, file)
 
 
 def committed(root: Path) -> list[tuple[int, Path]]:

@@ -4,7 +4,7 @@ names) and the tensor bytes in one safetensors-format file.
 Why not ``torch.save`` for the bytes: its writer goes through the page cache, and on
 this class of machine that caps a save near 0.3 of the disk (first-touch of cache pages,
 then fsync). Here the bytes stream through a page-aligned bounce buffer with O_DIRECT,
-while helper threads hash the same bytes (see :class:`TreeHash`); a load reads straight into
+while helper threads hash the same bytes (see :class:`checksum.TreeHash`); a load reads straight into
 the live tensors (``readinto``), without a fresh allocation. The file is plain
 safetensors (the header is padded with spaces so the data starts 4 KiB-aligned), so any
 safetensors reader can open it.
@@ -13,22 +13,21 @@ safetensors reader can open it.
 from __future__ import annotations
 
 import errno
-import hashlib
-import itertools
+import io
 import json
 import math
 import mmap
 import os
-import queue
 import struct
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hpctrain.checkpoint import checksum
+from hpctrain.checkpoint.checksum import Algorithm, TreeHash
 from hpctrain.errors import RunError
 
 ALIGN = 4096
@@ -41,53 +40,8 @@ _DTYPES = {
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _TAG = "__tensor__"
 _local = threading.local()
-LEAF = 64 << 20
-DIGEST = "sha256_tree"  # the manifest key of a file's checksum (see TreeHash)
-# Leaves hash in parallel; a GPU node's spare cores make checksums scale past the disk.
-_hash_pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="hpctrain-sha")
-
-
-def _leaf(segments: list[memoryview]) -> bytes:
-    digest = hashlib.sha256()
-    for segment in segments:
-        digest.update(segment)
-    return digest.digest()
-
-
-class TreeHash:
-    """sha256 of the concatenated sha256 digests of the data's consecutive 64 MiB leaves.
-
-    One sha256 runs at ~1.7 GB/s here, slower than the disk; leaves hash in parallel, so
-    a checksum costs no save or load time. ``update`` keeps references to the data: it
-    must stay alive and unchanged until :meth:`hexdigest` (callers pass ``bytes`` copies
-    of transient buffers)."""
-
-    def __init__(self) -> None:
-        self._futures: list[Future[bytes]] = []
-        self._segments: list[memoryview] = []
-        self._fill = 0
-
-    def update(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        while len(view):
-            n = min(LEAF - self._fill, len(view))
-            self._segments.append(view[:n])
-            self._fill, view = self._fill + n, view[n:]
-            if self._fill == LEAF:
-                self._flush()
-
-    def _flush(self) -> None:
-        segments, self._segments, self._fill = self._segments, [], 0
-        self._futures.append(_hash_pool.submit(_leaf, segments))
-
-    def hexdigest(self) -> str:
-        if self._segments or not self._futures:
-            self._flush()
-        return hashlib.sha256(b"".join(f.result() for f in self._futures)).hexdigest()
-
-    def wait(self) -> None:
-        for future in self._futures:
-            future.result()
+# The manifest key of checkpoints written before checkpoint.hash existed (layout.DIGEST too).
+DIGEST = checksum.SHA256_KEY
 
 
 class TensorFileError(RunError):
@@ -189,22 +143,24 @@ def _bounce() -> mmap.mmap:
     return buf
 
 
-def write(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Write ``tensors`` (CPU) to ``path`` durably; returns its manifest entry."""
+def write(path: Path, tensors: dict[str, torch.Tensor], algorithm: Algorithm | None = None) -> dict[str, Any]:
+    """Write ``tensors`` (CPU) to ``path`` durably; returns its manifest entry, checksummed
+    with ``algorithm`` (default: checkpoint.hash's default)."""
     header, data_size = _header(tensors)
     pieces = [memoryview(header), *(_bytes(t) for t in tensors.values())]
+    algorithm = algorithm or checksum.resolve(checksum.DEFAULT)
     try:
-        return _write(path, pieces, direct=True)
+        return _write(path, pieces, direct=True, algorithm=algorithm)
     except OSError as err:
         if err.errno != errno.EINVAL:  # O_DIRECT unsupported here (tmpfs, some FUSE): go buffered
             raise
-    return _write(path, pieces, direct=False)
+    return _write(path, pieces, direct=False, algorithm=algorithm)
 
 
-def _write(path: Path, pieces: list[memoryview], direct: bool) -> dict[str, Any]:
+def _write(path: Path, pieces: list[memoryview], direct: bool, algorithm: Algorithm) -> dict[str, Any]:
+    digest = TreeHash(algorithm)  # before the file is created: an unavailable hash leaves nothing behind
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o644)
-    digest = TreeHash()
     try:
         buf, fill, total = _bounce(), 0, 0
         view = memoryview(buf)
@@ -227,7 +183,7 @@ def _write(path: Path, pieces: list[memoryview], direct: bool) -> dict[str, Any]
     finally:
         digest.wait()  # never leave a hash reading memory the caller may reuse
         os.close(fd)
-    return {"size": total, DIGEST: digest.hexdigest()}
+    return digest.entry(total)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -274,17 +230,17 @@ def read(path: Path, into: dict[str, torch.Tensor] | None = None,
     """All tensors of ``path``. Where ``into`` holds a tensor of the same name, shape and
     dtype, the bytes are read straight into it (no new allocation).
 
-    ``expect`` (the file's manifest entry): size and checksum are checked in the same
-    pass. Each byte is read once, into its tensor, and hashed there by helper threads
-    while the next bytes are read; a mismatch raises :class:`ChecksumError` once the
-    read is done, before the caller can use the tensors (the caller must then treat
-    ``into`` as overwritten)."""
+    ``expect`` (the file's manifest entry): size and checksum (whichever algorithm the
+    entry names) are checked in the same pass. Each byte is read once, into its tensor, and
+    hashed there by helper threads while the next bytes are read; a mismatch raises
+    :class:`ChecksumError` once the read is done, before the caller can use the tensors
+    (the caller must then treat ``into`` as overwritten)."""
     into = into or {}
-    digest = TreeHash() if expect is not None else None
+    digest = _digest_for(path, expect)
     size = os.stat(path).st_size
-    if expect is not None and size != expect["size"]:
-        raise ChecksumError(f"{path}: size {size} != {expect['size']} in the manifest (truncated or overwritten)")
-    with _ReadAhead(path, size) as fh:
+    if expect is not None and size != expect.get("size"):
+        raise ChecksumError(checksum.mismatch(expect, {"size": size}, path))
+    with _Sequential(path) as fh:
         try:
             out = _read_all(fh, path, size, into, digest)
         except ChecksumError:
@@ -297,9 +253,21 @@ def read(path: Path, into: dict[str, torch.Tensor] | None = None,
         finally:
             if digest is not None:
                 digest.wait()  # no helper thread may still read the tensors when we return
-    if expect is not None and digest is not None and digest.hexdigest() != expect.get(DIGEST):
-        raise ChecksumError(f"{path}: checksum ({DIGEST}) does not match the manifest (corrupted)")
+    if expect is not None and digest is not None:
+        problem = checksum.mismatch(expect, digest.entry(size), path)
+        if problem:
+            raise ChecksumError(problem)
     return out
+
+
+def _digest_for(path: Path, expect: dict[str, Any] | None) -> TreeHash | None:
+    """The hash of the algorithm ``expect`` names (None without ``expect``)."""
+    if expect is None:
+        return None
+    algorithm = checksum.of_entry(expect)
+    if algorithm is None:  # no key this version knows: nothing can vouch for the bytes
+        raise ChecksumError(checksum.mismatch(expect, {"size": expect.get("size")}, path))
+    return TreeHash(algorithm)
 
 
 def _read_all(fh: Any, path: Path, size: int, into: dict[str, torch.Tensor],
@@ -320,122 +288,51 @@ def _read_all(fh: Any, path: Path, size: int, into: dict[str, torch.Tensor],
     return out
 
 
-class _ReadAhead:
-    """A file's bytes in order, as ``read`` / ``readinto``, read ahead by a helper thread
-    into a ring of reused page-aligned buffers with ``O_DIRECT``: large requests past the
-    page cache, like ``dd iflag=direct``, while the caller copies the previous buffer into
-    its tensors (and helper threads hash them). Falls back to buffered reads where the
-    file system has no ``O_DIRECT`` (tmpfs)."""
+class _Sequential:
+    """A file's bytes in order, as ``read`` / ``readinto``, each ``readinto`` one ``read(2)``
+    straight into the caller's buffer (a live tensor: no bounce buffer, no copy in Python,
+    the GIL released meanwhile), while the kernel's sequential readahead fetches the next
+    bytes. What has been read is dropped from the page cache behind the reader, so loading a
+    state the size of the node's memory evicts nothing else. Why not ``O_DIRECT`` (one
+    request at a time, then a copy): on the 2-core development VM it read a 1 GB file at
+    0.8-1.7 GB/s where these buffered reads reached 2.2-2.7 (docs/benchmarks.md)."""
 
-    RING = 3
+    DROP = 64 << 20  # bytes between two page-cache drops
 
-    def __init__(self, path: Path, size: int) -> None:
-        self.path, self.size = path, size
-        self._bufs = _ring(self.RING)
-        self._free: queue.Queue[int | None] = queue.Queue()
-        self._full: queue.Queue[tuple[int, int] | BaseException] = queue.Queue()
-        for i in range(self.RING):
-            self._free.put(i)
-        self._fd = _open_direct(path)
-        self._cur, self._cur_index = memoryview(b""), -1
-        self._delivered = 0  # bytes handed to the reader so far
-        self._stop = False
-        self._thread = threading.Thread(target=self._fill, name="hpctrain-read", daemon=True)
-        self._thread.start()
-
-    def _fill(self) -> None:
-        offset = 0
-        try:
-            while offset < self.size:
-                index = self._free.get()
-                if index is None or self._stop:  # the reader stopped early
-                    return
-                n = _pread(self._fd, self._bufs[index], offset, self.path)
-                if n <= 0:
-                    raise TensorFileError(f"{self.path} is truncated")
-                self._full.put((index, n))
-                offset += n
-        except BaseException as err:  # handed to the reader, raised there
-            self._full.put(err)
+    def __init__(self, path: Path) -> None:
+        self._fh = _open_read(path)
+        fd = self._fh.fileno()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window
+        self._pos = self._dropped = 0
 
     def readinto(self, dest: memoryview) -> int:
-        if not len(self._cur):
-            self._next()
-        if not len(self._cur):
-            return 0
-        n = min(len(self._cur), len(dest))
-        dest[:n] = self._cur[:n]
-        self._cur = self._cur[n:]
+        n = self._fh.readinto(dest) or 0
+        self._pos += n
+        if self._pos - self._dropped >= self.DROP:
+            self._drop()
         return n
 
     def read(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, done = memoryview(buf), 0
-        while done < n:
-            got = self.readinto(view[done:])
-            if not got:
-                break
-            done += got
-        return bytes(buf[:done])
+        data = self._fh.read(n) or b""
+        self._pos += len(data)
+        return data
 
-    def _next(self) -> None:
-        if self._cur_index >= 0:
-            self._free.put(self._cur_index)  # the helper may refill it now
-            self._cur_index = -1
-        if self._delivered >= self.size:
-            return  # end of file
-        item = self._full.get()
-        if isinstance(item, BaseException):
-            raise item
-        self._cur_index, n = item
-        self._cur = memoryview(self._bufs[self._cur_index])[:n]
-        self._delivered += n
+    def _drop(self) -> None:
+        os.posix_fadvise(self._fh.fileno(), self._dropped, self._pos - self._dropped, os.POSIX_FADV_DONTNEED)
+        self._dropped = self._pos
 
-    def __enter__(self) -> _ReadAhead:
+    def __enter__(self) -> _Sequential:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._free.put(None)  # unblock the helper if it waits for a buffer
-        self._thread.join()
-        os.close(self._fd)
+        try:
+            self._drop()
+        finally:
+            self._fh.close()
 
 
-def _ring(count: int) -> list[mmap.mmap]:
-    """Page-aligned read buffers, touched once per thread and reused by every load."""
-    bufs: list[mmap.mmap] | None = getattr(_local, "ring", None)
-    if bufs is None or len(bufs) != count or len(bufs[0]) != CHUNK:
-        bufs = []
-        for _ in range(count):
-            buf = mmap.mmap(-1, CHUNK)
-            buf.write(b"\0" * CHUNK)
-            bufs.append(buf)
-        _local.ring = bufs
-    return bufs
-
-
-def _open_direct(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as err:
-        if err.errno != errno.EINVAL:
-            raise
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    return fd
-
-
-def _pread(fd: int, buf: mmap.mmap, offset: int, path: Path) -> int:
-    try:
-        return os.preadv(fd, [buf], offset)
-    except OSError as err:
-        if err.errno != errno.EINVAL:  # O_DIRECT accepted at open but not for this read
-            raise  # an I/O error, not corruption: the caller names the file (unreadable)
-    buffered = os.open(path, os.O_RDONLY)
-    try:
-        return os.preadv(buffered, [buf], offset)
-    finally:
-        os.close(buffered)
+def _open_read(path: Path) -> io.FileIO:
+    return io.FileIO(path, "r")
 
 
 def _checked(header: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -485,37 +382,3 @@ def _read_exact(fh: Any, dest: memoryview, path: Path, digest: TreeHash | None =
             raise TensorFileError(f"{path} is truncated")
         _update(digest, dest[done : done + n])
         done += n
-
-
-def hash_file(path: Path) -> dict[str, Any]:
-    """The manifest entry of a file on disk: leaves are read one after another and
-    hashed in parallel (buffers reused, three in flight)."""
-    bufs = getattr(_local, "leaves", None)
-    if bufs is None or len(bufs[0]) != LEAF:
-        bufs = _local.leaves = [bytearray(LEAF) for _ in range(3)]
-    futures: list[Future[bytes]] = []
-    size = 0
-    with open(path, "rb", buffering=0) as fh:
-        for i in itertools.count():
-            if i >= 3:
-                futures[i - 3].result()  # its buffer is about to be reused
-            buf = memoryview(bufs[i % 3])
-            n = _read_full(fh, buf)
-            if n == 0 and i > 0:
-                break
-            futures.append(_hash_pool.submit(_leaf, [buf[:n]]))
-            size += n
-            if n < LEAF:
-                break
-    digest = hashlib.sha256(b"".join(f.result() for f in futures)).hexdigest()
-    return {"size": size, DIGEST: digest}
-
-
-def _read_full(fh: Any, buf: memoryview) -> int:
-    done = 0
-    while done < len(buf):
-        n = fh.readinto(buf[done:])
-        if not n:
-            break
-        done += n
-    return done

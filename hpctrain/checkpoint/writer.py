@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpctrain.checkpoint import layout, tensorfile
+from hpctrain.checkpoint import checksum, layout, tensorfile
+from hpctrain.checkpoint.checksum import Algorithm
 from hpctrain.checkpoint.state import (
     DEEPSPEED_DIR,
     REPLICATED,
@@ -146,8 +147,10 @@ class CheckpointWriter:
 
     def __init__(self, root: Path, env: ClusterEnv, *, mode: str = "sync", local_dir: str | None = None,
                  stagger_s: float = 0.0, keep_last: int = 3, keep_every: int | None = None,
-                 group: Any = None) -> None:
+                 group: Any = None, hash: str = checksum.DEFAULT) -> None:
+        """``hash``: checkpoint.hash, the checksum of every file written (see :mod:`checksum`)."""
         self.root, self.env, self.mode = Path(root), env, mode
+        self.algorithm = checksum.resolve(hash)
         self.local = _local_root(local_dir, self.root) if local_dir else None
         self.stagger_s, self.keep_last, self.keep_every, self.group = stagger_s, keep_last, keep_every, group
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-ckpt")
@@ -220,7 +223,7 @@ class CheckpointWriter:
         target = self._target(snap.step)
         try:
             target.mkdir(parents=True, exist_ok=True)
-            return _Written(write_files(snap, target, self.env, self.group), target)
+            return _Written(write_files(snap, target, self.env, self.group, self.algorithm), target)
         except Exception as err:  # reported to every rank in _commit, raised there
             return _Written({}, target, f"rank {self.env.rank}: {type(err).__name__}: {err}", str(target.parent))
 
@@ -291,8 +294,8 @@ class CheckpointWriter:
             partial.mkdir(parents=True, exist_ok=True)
             for name, entry in written.files.items():
                 (partial / name).parent.mkdir(parents=True, exist_ok=True)  # sharded/, deepspeed/state/
-                copied = _copy_file(written.where / name, partial / name)
-                if copied[tensorfile.DIGEST] != entry[tensorfile.DIGEST]:
+                copied = _copy_file(written.where / name, partial / name, checksum.of_entry(entry))
+                if checksum.mismatch(entry, copied, partial / name):
                     raise layout.CheckpointError(f"{partial / name}: copy differs from {written.where / name}")
             return written
         except Exception as err:
@@ -303,22 +306,26 @@ class CheckpointWriter:
 # ---------------------------------------------------------------- helpers
 
 
-def write_files(snap: Snapshot, target: Path, env: ClusterEnv, group: Any) -> dict[str, dict[str, Any]]:
-    """This rank's files in ``target`` (fsynced); returns their manifest entries."""
+def write_files(snap: Snapshot, target: Path, env: ClusterEnv, group: Any,
+                algorithm: Algorithm | None = None) -> dict[str, dict[str, Any]]:
+    """This rank's files in ``target`` (fsynced); returns their manifest entries, checksummed
+    with ``algorithm`` (default: checkpoint.hash's default)."""
+    algorithm = algorithm or checksum.resolve(checksum.DEFAULT)
     files = {}
     if snap.sharded is not None:
-        files.update(_write_sharded(snap.sharded, target / SHARDED_DIR, env, group))
+        files.update(_write_sharded(snap.sharded, target / SHARDED_DIR, env, group, algorithm))
     if snap.own is not None:
-        files.update(_write_own(snap.own, target, env))
+        files.update(_write_own(snap.own, target, env, algorithm))
     if snap.replicated is not None:
         skeleton, tensors = tensorfile.split(snap.replicated)
-        files[REPLICATED_TENSORS] = tensorfile.write(target / REPLICATED_TENSORS, tensors)
-        files[REPLICATED] = layout.save_file(skeleton, target / REPLICATED)
-    files[rank_file(env.rank)] = layout.save_file(snap.per_rank, target / rank_file(env.rank))
+        files[REPLICATED_TENSORS] = tensorfile.write(target / REPLICATED_TENSORS, tensors, algorithm)
+        files[REPLICATED] = layout.save_file(skeleton, target / REPLICATED, algorithm)
+    files[rank_file(env.rank)] = layout.save_file(snap.per_rank, target / rank_file(env.rank), algorithm)
     return files
 
 
-def _write_sharded(state: dict[str, Any], directory: Path, env: ClusterEnv, group: Any) -> dict[str, dict[str, Any]]:
+def _write_sharded(state: dict[str, Any], directory: Path, env: ClusterEnv, group: Any,
+                   algorithm: Algorithm) -> dict[str, dict[str, Any]]:
     import torch.distributed.checkpoint as dcp
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -327,10 +334,10 @@ def _write_sharded(state: dict[str, Any], directory: Path, env: ClusterEnv, grou
     mine = [p for p in directory.iterdir() if p.name.startswith(f"__{env.rank}_")]
     if env.is_main:
         mine += [p for p in directory.iterdir() if p.name == ".metadata"]
-    return {f"{SHARDED_DIR}/{p.name}": layout.hash_file(p) for p in sorted(mine)}
+    return {f"{SHARDED_DIR}/{p.name}": layout.hash_file(p, algorithm) for p in sorted(mine)}
 
 
-def _write_own(view: Any, target: Path, env: ClusterEnv) -> dict[str, dict[str, Any]]:
+def _write_own(view: Any, target: Path, env: ClusterEnv, algorithm: Algorithm) -> dict[str, dict[str, Any]]:
     """format=deepspeed: the view's own save (DeepSpeed's: every rank its ZeRO partitions, rank 0
     also the module and the scheduler) into ``target/deepspeed``; each rank lists, fsyncs and
     hashes the files it wrote (DeepSpeed's torch.save does not fsync)."""
@@ -339,7 +346,7 @@ def _write_own(view: Any, target: Path, env: ClusterEnv) -> dict[str, dict[str, 
     files = {}
     for path in view.files(directory, env.rank):
         fsync_file(path)
-        files[path.relative_to(target).as_posix()] = layout.hash_file(path)
+        files[path.relative_to(target).as_posix()] = layout.hash_file(path, algorithm)
     return files
 
 
@@ -377,8 +384,8 @@ def _discard(path: Path) -> None:
         log.warning("checkpoint: could not remove the unfinished %s (%s)", path, err)
 
 
-def _copy_file(src: Path, dst: Path) -> dict[str, Any]:
-    out = layout.HashingWriter(dst)
+def _copy_file(src: Path, dst: Path, algorithm: Algorithm | None) -> dict[str, Any]:
+    out = layout.HashingWriter(dst, algorithm)
     try:
         with open(src, "rb", buffering=0) as fh:
             while chunk := fh.read(16 << 20):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpctrain import rundir
-from hpctrain.checkpoint import layout, tensorfile
+from hpctrain.checkpoint import checksum, layout, tensorfile
 from hpctrain.checkpoint.checkpointer import Checkpointer
 from hpctrain.checkpoint.state import REPLICATED_TENSORS
 from hpctrain.config import load_config
@@ -97,7 +97,7 @@ def test_one_pass_read_fills_live_tensors_and_catches_a_flipped_byte(tmp_path: P
     tensors = {"/a": torch.randn(1000), "/b": torch.arange(7, dtype=torch.int64), "/c": torch.randn(3, 5)}
     path = tmp_path / "t.safetensors"
     entry = tensorfile.write(path, tensors)
-    assert entry == tensorfile.hash_file(path)  # the same checksum, however it is computed
+    assert entry == checksum.hash_file(path)  # the same checksum, however it is computed
     live = {k: torch.zeros_like(v) for k, v in tensors.items()}
     out = tensorfile.read(path, live, expect=entry)
     assert all(out[k].data_ptr() == live[k].data_ptr() and torch.equal(out[k], tensors[k]) for k in tensors)
@@ -115,12 +115,12 @@ def test_one_pass_read_fills_live_tensors_and_catches_a_flipped_byte(tmp_path: P
 
 def test_leaves_hash_across_tensor_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many leaves per file, leaves spanning tensors, pieces smaller than a leaf."""
-    monkeypatch.setattr(tensorfile, "LEAF", 4096)
+    monkeypatch.setattr(checksum, "LEAF", 4096)
     monkeypatch.setattr(tensorfile, "CHUNK", 8192)  # the writer needs a multiple of 4 KiB
     tensors = {f"/t{i}": torch.randn(900 + 37 * i) for i in range(12)}
     path = tmp_path / "t.safetensors"
     entry = tensorfile.write(path, tensors)
-    assert entry == tensorfile.hash_file(path)
+    assert entry == checksum.hash_file(path)
     out = tensorfile.read(path, None, expect=entry)
     assert all(torch.equal(out[k], v) for k, v in tensors.items())
     _flip(path, path.stat().st_size - 3)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpctrain.checkpoint import layout, tensorfile
+from hpctrain.checkpoint import checksum, layout, tensorfile
 from hpctrain.checkpoint.checkpointer import Checkpointer
 from hpctrain.checkpoint.state import REPLICATED_TENSORS, snapshot
 from hpctrain.checkpoint.writer import CheckpointWriter, _local_root, default_group
@@ -125,12 +125,12 @@ def test_an_unreadable_checkpoint_is_reported_as_such_never_skipped(tmp_path: Pa
         monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(_denied(self))
                             if self == blocked else read_text(self, *a, **k))
     else:
-        open_direct = tensorfile._open_direct
-        monkeypatch.setattr(tensorfile, "_open_direct", lambda path: (_ for _ in ()).throw(_denied(path))
-                            if path == blocked else open_direct(path))
-        hash_file = tensorfile.hash_file
-        monkeypatch.setattr(tensorfile, "hash_file", lambda path: (_ for _ in ()).throw(_denied(path))
-                            if path == blocked else hash_file(path))
+        open_read = tensorfile._open_read
+        monkeypatch.setattr(tensorfile, "_open_read", lambda path: (_ for _ in ()).throw(_denied(path))
+                            if path == blocked else open_read(path))
+        hash_file = checksum.hash_file
+        monkeypatch.setattr(checksum, "hash_file", lambda path, *a: (_ for _ in ()).throw(_denied(path))
+                            if path == blocked else hash_file(path, *a))
     with pytest.raises(layout.UnreadableCheckpointError) as info:
         _checkpointer(tmp_path, make_parts(seed=1)).resume("auto")
     message = str(info.value)
