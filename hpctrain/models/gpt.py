@@ -165,6 +165,18 @@ def build_gpt(num_classes: int = 256, *, config: ModelConfig | None = None,
     data's (``num_classes``). With ``input_shape`` (``(seq_len,)`` of the data), one forward
     pass on int64 zeros checks the sizes against the data before training starts."""
     cfg = config or ModelConfig(name=name)
+    vocab = token_vocab(cfg, num_classes, input_shape, input_dtype, name)
+    model = GPT(GPTShape(vocab=vocab, seq_len=cfg.seq_len, n_layers=cfg.n_layers, hidden=cfg.hidden,
+                         heads=cfg.heads, tie_weights=cfg.tie_weights, dropout=cfg.dropout))
+    if input_shape is not None:
+        check_output(model, name, input_shape[0], vocab)
+    return model
+
+
+def token_vocab(cfg: ModelConfig, num_classes: int, input_shape: tuple[int, ...] | None,
+                input_dtype: torch.dtype, name: str) -> int:
+    """The vocabulary of a token model (``model.vocab`` or the data's), after checking that the
+    data are token ids no longer than ``model.seq_len``: a ModelError names the key otherwise."""
     vocab = cfg.vocab or num_classes
     if vocab < num_classes:
         raise ModelError(f"model.vocab={vocab} is smaller than the data's vocabulary ({num_classes}); "
@@ -177,14 +189,10 @@ def build_gpt(num_classes: int = 256, *, config: ModelConfig | None = None,
         raise ModelError(f"model.name={name!r} takes token sequences of at most model.seq_len={cfg.seq_len}, the "
                          f"data's samples have shape {tuple(input_shape)}; hint: model.seq_len={input_shape[-1]}, "
                          "or shard the text with a shorter --seq-len")
-    model = GPT(GPTShape(vocab=vocab, seq_len=cfg.seq_len, n_layers=cfg.n_layers, hidden=cfg.hidden,
-                         heads=cfg.heads, tie_weights=cfg.tie_weights, dropout=cfg.dropout))
-    if input_shape is not None:
-        _check_output(model, name, input_shape[0], vocab)
-    return model
+    return vocab
 
 
-def _check_output(model: GPT, name: str, seq_len: int, vocab: int) -> None:
+def check_output(model: nn.Module, name: str, seq_len: int, vocab: int) -> None:
     """Eval mode, no grad, RNG untouched: the check changes nothing of the run that follows."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         model.eval()

@@ -11,6 +11,7 @@ from torch import nn
 
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.gpt import GPT, build_gpt
+from hpctrain.models.llama import build_llama
 from hpctrain.models.mnist_net import MnistCNN
 from hpctrain.models.outputs import pass_labels
 from hpctrain.models.resnet import ResNet18
@@ -36,6 +37,8 @@ REGISTRY: dict[str, ModelSpec] = {
     "resnet18": ModelSpec(ResNet18, (3, 32, 32), "ResNet-18, CIFAR variant"),
     "gpt": ModelSpec(build_gpt, (128,), "decoder-only transformer (model.n_layers/hidden/heads/seq_len)",
                      torch.long, 256),
+    "llama": ModelSpec(build_llama, (128,), "Llama-style decoder: RMSNorm, rotary, SwiGLU, grouped-query attention "
+                       "(model.n_layers/hidden/heads/kv_heads/ffn_hidden/seq_len)", torch.long, 256),
 }
 
 
@@ -50,7 +53,7 @@ def build_model(name: str, num_classes: int | None = None, in_channels: int | No
     starts. Without a task (a library caller), token ids of one dim are taken for causal_lm
     text (the data layout's rule) where that decides something, and the check reads the task
     from the output (3-D logits on token ids: causal_lm).
-    Token models (``gpt``) take their sizes from ``config`` (the ``model`` section) and
+    Token models (``gpt``, ``llama``) take their sizes from ``config`` (the ``model`` section) and
     ``num_classes`` as the data's vocabulary."""
     spec = REGISTRY.get(name)
     if spec is not None and spec.input_dtype == torch.long:

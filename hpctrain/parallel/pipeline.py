@@ -15,6 +15,7 @@ not supported (each end would train its own copy).
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,19 +25,22 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from hpctrain.estimate.model import stage_layers
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def split_blocks(n_blocks: int, n_stages: int) -> list[range]:
-    """Consecutive block ranges, the first ``n_blocks % n_stages`` stages one block longer."""
+    """Consecutive block ranges, as even as possible; any number of blocks >= stages (uneven
+    stages: 5 blocks on 2 stages are 2 + 3, Llama 3 405B's 126 on 16 are 7, 8 x 14, 7). The
+    estimator's rule (:func:`hpctrain.estimate.model.stage_layers`), so ``hpctrain estimate
+    --pp`` sizes the stages a run builds: a remainder goes to the middle stages, then the last,
+    then the first, which holds the embedding and, under 1F1B, the most micro-batches in flight."""
     if n_blocks < n_stages:
         raise ValueError(f"pipeline: {n_blocks} blocks cannot fill {n_stages} stages; hint: lower parallel.pp "
                          "(or parallel.virtual_stages)")
-    size, extra = divmod(n_blocks, n_stages)
-    bounds = [0]
-    for stage in range(n_stages):
-        bounds.append(bounds[-1] + size + (stage < extra))
-    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
+    bounds = list(itertools.accumulate(stage_layers(n_blocks, n_stages), initial=0))
+    return [range(start, stop) for start, stop in zip(bounds, bounds[1:])]
 
 
 def _ends(model: nn.Module) -> tuple[list[str], list[str]]:

@@ -47,9 +47,15 @@ class Pipeline(Strategy):
         if cfg.train.compile or p.meta_init:
             raise ConfigError(f"parallel.pp={p.pp} builds its stages without train.compile or parallel.meta_init "
                               "yet; hint: train.compile=false parallel.meta_init=false")
-        if cfg.model.tie_weights and cfg.model.name == "gpt":
+        if cfg.model.tie_weights and cfg.model.name in ("gpt", "llama"):
             raise ConfigError(f"parallel.pp={p.pp}: the first and last stages cannot share the tied embedding; "
                               "hint: model.tie_weights=false")
+        stages = p.pp * (p.virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1)
+        if cfg.model.name in ("gpt", "llama") and cfg.model.n_layers < stages:
+            # any count >= the stages splits (unevenly if need be); fewer leaves a stage empty
+            raise ConfigError(f"parallel.pp={p.pp} makes {stages} pipeline stages, more than model.n_layers="
+                              f"{cfg.model.n_layers} blocks; hint: model.n_layers>={stages}, or a lower parallel.pp"
+                              + (" or parallel.virtual_stages" if stages > p.pp else ""))
 
     def __init__(self, *args: Any, stage: type[Strategy], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

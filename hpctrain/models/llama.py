@@ -1,0 +1,201 @@
+"""A Llama-style decoder-only transformer: RMSNorm, rotary positions, a SwiGLU MLP, grouped-query
+attention and optionally untied embeddings (Touvron et al. 2023; Llama 2 and 3's layout).
+
+Laid out like :mod:`hpctrain.models.gpt`, so every strategy treats it the same way:
+
+* blocks in an ``nn.ModuleList`` named ``blocks`` (FSDP units, activation checkpointing,
+  pipeline stages); the top-level children before ``blocks`` (``tok_emb``) run before it, those
+  after (``norm``, ``head``) after it, and ``forward`` skips a child set to None (a pipeline stage);
+* bias-free ``nn.Linear`` projections ``q, k, v, o`` and ``gate, up, down``: the tensor-parallel
+  plan is ``Colwise`` on ``q, k, v, gate, up`` and ``Rowwise`` on ``o, down``;
+* heads come from ``view(B, T, -1, head_dim)``: under tensor parallelism a rank holds
+  ``heads / tp`` query and ``kv_heads / tp`` key/value heads, and the same code runs on its shard;
+* rotary angles are computed in ``forward`` from the sequence length (no buffers: nothing to
+  materialize after meta init, nothing a strategy could cast or shard), so the model takes any
+  length; ``seq_len`` sizes the data and the estimator's shape;
+* :meth:`Llama.reset_parameters` re-draws every weight in a fixed order from the global RNG.
+
+The parameter count is :class:`hpctrain.estimate.model.TransformerShape`'s for the same shape
+(``mlp=swiglu, positions=rotary, norm=rmsnorm, bias=none``): the estimator and the model agree
+by construction, and tests/models/test_llama.py checks the built model against both it and a
+hand count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.estimate.model import TransformerShape, llama_ffn
+from hpctrain.models.config import ModelConfig
+from hpctrain.models.gpt import INIT_STD, check_output, token_vocab
+
+ROPE_THETA = 10_000.0  # Llama 2's rotary base
+NORM_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The sizes of a :class:`Llama`; ``kv_heads`` None: one per query head, ``ffn_hidden`` None: Llama's rule."""
+
+    vocab: int = 256
+    seq_len: int = 128
+    n_layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    tie_weights: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "seq_len", "n_layers", "hidden", "heads", "kv", "ffn"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Llama {name}={getattr(self, name)} must be > 0")
+        if self.hidden % self.heads or self.heads % self.kv or self.head_dim % 2:
+            raise ValueError(f"Llama hidden ({self.hidden}) must split into heads ({self.heads}) of an even width, "
+                             f"and kv_heads ({self.kv}) must divide heads")
+
+    @property
+    def kv(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def ffn(self) -> int:
+        return llama_ffn(self.hidden) if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def transformer(self) -> TransformerShape:
+        """The same model as the estimator describes it (``hpctrain estimate``'s flags)."""
+        return TransformerShape(layers=self.n_layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len,
+                                vocab=self.vocab, kv_heads=self.kv, ffn_hidden=self.ffn, mlp="swiglu",
+                                tied=self.tie_weights, positions="rotary", norm="rmsnorm", bias="none",
+                                dropout=False)
+
+    @property
+    def params(self) -> int:
+        return self.transformer().params
+
+
+def rotary_angles(length: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, ``(length, head_dim / 2)`` in fp32 (RoFormer's angles)."""
+    inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``(B, heads, T, head_dim)`` by position: feature i pairs with i + head_dim/2 (the
+    Hugging Face Llama layout, so its q/k weights load unpermuted), in fp32, back in x's dtype."""
+    first, second = x.float().chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: ``kv_heads`` key/value heads, each shared by ``heads / kv_heads`` queries."""
+
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.head_dim = s.head_dim
+        kv_width = s.kv * s.head_dim
+        self.q, self.o = nn.Linear(s.hidden, s.hidden, bias=False), nn.Linear(s.hidden, s.hidden, bias=False)
+        self.k, self.v = nn.Linear(s.hidden, kv_width, bias=False), nn.Linear(s.hidden, kv_width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: the local head counts, which tensor parallelism divides
+        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        cos, sin = rotary_angles(t, self.head_dim, q.device)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # SDPA shares each K/V head with its group of query heads (no repeated copy in memory)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.RMSNorm(s.hidden, eps=NORM_EPS), Attention(s)
+        self.norm2, self.mlp = nn.RMSNorm(s.hidden, eps=NORM_EPS), SwiGLU(s.hidden, s.ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Llama(nn.Module):
+    """int64 tokens ``(B, T)`` -> logits ``(B, T, vocab)``."""
+
+    # parallel.tp also splits the embedding and the output by vocabulary rows (hpctrain.parallel.tensor)
+    vocab_parallel = True
+
+    def __init__(self, shape: LlamaShape | None = None) -> None:
+        super().__init__()
+        self.shape = s = shape or LlamaShape()
+        # the layers' default inits must not consume the global RNG (see GPT.__init__)
+        with torch.random.fork_rng(devices=[]):
+            self.tok_emb = nn.Embedding(s.vocab, s.hidden)
+            self.blocks = nn.ModuleList(Block(s) for _ in range(s.n_layers))
+            self.norm = nn.RMSNorm(s.hidden, eps=NORM_EPS)
+            self.head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """In a fixed order from the global RNG: N(0, 0.02) weights, the residual projections
+        (``o``, ``down``) scaled by 1/sqrt(2 n_layers), unit norms; re-ties the head."""
+        if self.shape.tie_weights:  # (again: to_empty() unties shared parameters)
+            self.head.weight = self.tok_emb.weight
+        residual_std = INIT_STD / math.sqrt(2 * self.shape.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, INIT_STD)
+            elif isinstance(module, nn.Linear) and not (module is self.head and self.shape.tie_weights):
+                nn.init.normal_(module.weight, 0.0, residual_std if name.endswith((".o", ".down")) else INIT_STD)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens -> logits; a pipeline stage without the embedding takes hidden states, one
+        without the head returns them (hpctrain.parallel.pipeline)."""
+        x = tokens if self.tok_emb is None else self.tok_emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x if self.head is None else self.head(x)
+
+
+def build_llama(num_classes: int = 256, *, config: ModelConfig | None = None,
+                input_shape: tuple[int, ...] | None = None, input_dtype: torch.dtype = torch.long,
+                name: str = "llama") -> Llama:
+    """A Llama sized by the ``model`` config section (the vocabulary: ``model.vocab`` or the
+    data's); with ``input_shape`` one forward pass on int64 zeros checks it against the data."""
+    cfg = config or ModelConfig(name=name)
+    vocab = token_vocab(cfg, num_classes, input_shape, input_dtype, name)
+    model = Llama(LlamaShape(vocab=vocab, seq_len=cfg.seq_len, n_layers=cfg.n_layers, hidden=cfg.hidden,
+                             heads=cfg.heads, kv_heads=cfg.kv_heads, ffn_hidden=cfg.ffn_hidden,
+                             tie_weights=cfg.tie_weights))
+    if input_shape is not None:
+        check_output(model, name, input_shape[0], vocab)
+    return model
