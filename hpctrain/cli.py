@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("hpctrain.data.cli", "pack data into tar shards (WebDataset layout), verify, inspect"),
     "estimate": ("hpctrain.estimate.cli", "size a training run: FLOPs and time, memory per GPU by strategy, "
                                           "checkpoint cost, Young-Daly interval"),
+    "plan": ("hpctrain.parallel.auto", "choose strategy, tp, pp, activation checkpointing and micro-batch "
+                                       "(parallel.strategy=auto) and print why, without training"),
     "report": ("hpctrain.telemetry.report", "summary table and plots of one or more runs (--html: one page)"),
     "bench": ("hpctrain.bench.cli", "the workshop's benchmarks, one command each: table, JSON and PNG"),
 }

@@ -31,6 +31,7 @@ from hpctrain.evaluation.evaluate import EvalResult
 from hpctrain.evaluation.metrics import Metric
 from hpctrain.models import build_model
 from hpctrain.optim import build_optimizer, build_scheduler, epoch_over, peak_lr
+from hpctrain.parallel.auto import resolve_auto
 from hpctrain.parallel.base import Strategy
 from hpctrain.parallel.plan import Plan, make_plan
 from hpctrain.parallel.registry import make_strategy
@@ -385,7 +386,7 @@ def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
     """``hpctrain train``: returns the summary (written to RUN_DIR/summary.json by rank 0).
     ``env``: this rank's place (default: detected from the launcher, or a running process group)."""
     env = env or cluster.detect()
-    given = cfg
+    given = cfg = resolve_auto(cfg, env)  # parallel.strategy=auto: config.yaml records the choice
     cfg, plan = make_plan(cfg, env)  # every rank, before the group: bad combinations fail all alike with exit 2
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
     resume = cfg.resume if cfg.checkpoint.enabled else "never"

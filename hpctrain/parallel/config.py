@@ -24,13 +24,17 @@ STRATEGY_NAMES: list[str] = ["ddp", "zero1", "fsdp", "hsdp", "deepspeed"]
 # Strategies that shard over the data-parallel dimension and so compose with tp / pp.
 SHARDED = ("fsdp", "hsdp")
 
+# parallel.strategy=auto: hpctrain.parallel.auto chooses strategy, tp, pp, activation
+# checkpointing and micro-batch for the world before anything is built (docs/parallel.md)
+AUTO = "auto"
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    strategy: str = opt("ddp", "Data-parallel strategy: ddp | zero1 (optimizer state sharded, over DDP) | fsdp (FSDP2; ZeRO-3, or ZeRO-2 with reshard_after_forward=false) | hsdp (replicate across nodes, shard within) | deepspeed (ZeRO stage from deepspeed_stage; needs the deepspeed extra).")
+    strategy: str = opt("ddp", "Data-parallel strategy: ddp | zero1 (optimizer state sharded, over DDP) | fsdp (FSDP2; ZeRO-3, or ZeRO-2 with reshard_after_forward=false) | hsdp (replicate across nodes, shard within) | deepspeed (ZeRO stage from deepspeed_stage; needs the deepspeed extra) | auto (choose strategy, tp, pp, activation_checkpointing and the micro-batch that fit parallel.memory_budget_gb or the GPU with the fastest estimate, keeping the global batch; `hpctrain plan` prints the choice; docs/parallel.md).")
     dp: int = opt(0, "Data-parallel degree; 0 = world size / (tp x pp). dp x tp x pp must equal the world size.")
     tp: int = opt(1, "Tensor-parallel degree (DTensor column/row plans for attention and MLP; keep it within a node). Needs a model whose `blocks` hold Linears q, k, v, o, up, down (the gpt), with heads divisible by tp; the tp ranks of one replica read the same batches. tp > 1 with dp > 1 needs strategy fsdp or hsdp.")
-    pp: int = opt(1, "Pipeline-parallel degree (torch.distributed.pipelining stages, blocks split evenly). pp > 1 with dp > 1 needs strategy fsdp or hsdp.")
+    pp: int = opt(1, "Pipeline-parallel degree (torch.distributed.pipelining stages; blocks split as evenly as possible, the extra ones to the middle stages, as hpctrain estimate --pp sizes them). pp > 1 with dp > 1 needs strategy fsdp or hsdp.")
     dp_replicate: int = opt(0, "hsdp: replicas (outer mesh dim); 0 = the number of nodes. Shards per replica = dp / dp_replicate.")
     sequence_parallel: bool = opt(False, "With tp > 1: also shard layer norms and the residual stream along the sequence (Megatron sequence parallelism).")
     reshard_after_forward: bool = opt(True, "fsdp/hsdp: free gathered parameters after forward (true = ZeRO-3) or keep them until backward (false = ZeRO-2: more memory, one all-gather less).")
@@ -43,6 +47,8 @@ class ParallelConfig:
     virtual_stages: int = opt(2, "pp_schedule=interleaved_1f1b: stages per pipeline rank (blocks split into pp x virtual_stages stages).")
     activation_checkpointing: Checkpointing = opt("none", "Recompute activations in backward: none | block (each transformer block / child module) | selective (save matmul outputs, recompute the rest).")
     deepspeed_stage: int = opt(2, "strategy=deepspeed: ZeRO stage 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).")
+    memory_budget_gb: float | None = opt(None, "strategy=auto: memory one rank may use, in GB (1e9 bytes); default: the GPU's total memory; required on CPU.")
+    memory_margin: float = opt(0.1, "strategy=auto: fraction of the memory budget kept free (the estimate's error, allocator fragmentation); a plan fits when its estimate is within budget x (1 - margin).")
     backend: Literal["auto", "nccl", "gloo"] = opt("auto", "Process-group backend; auto = nccl with CUDA, else gloo.")
     init_timeout_s: float = opt(600.0, "Seconds to wait for all ranks in init_process_group and collectives.")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB.")
@@ -52,8 +58,11 @@ class ParallelConfig:
     broadcast_buffers: bool = opt(True, "DDP: broadcast buffers (e.g. BatchNorm stats) from rank 0 each forward.")
 
     def __post_init__(self) -> None:
-        _one_of("parallel.strategy", self.strategy, tuple(STRATEGY_NAMES))
-        positive("parallel", self, "init_timeout_s", "bucket_cap_mb", "tp", "pp", "microbatches", "virtual_stages")
+        _one_of("parallel.strategy", self.strategy, (*STRATEGY_NAMES, AUTO))
+        positive("parallel", self, "init_timeout_s", "bucket_cap_mb", "tp", "pp", "microbatches", "virtual_stages",
+                 "memory_budget_gb")
+        if not 0 <= self.memory_margin < 1:
+            raise ConfigError(f"parallel.memory_margin={self.memory_margin} must be a fraction in [0, 1), e.g. 0.1")
         at_least("parallel", self, "dp", 0)
         at_least("parallel", self, "dp_replicate", 0)
         if self.deepspeed_stage not in (1, 2, 3):

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from hpctrain.parallel.config import check_topology
+from hpctrain.parallel.config import AUTO, check_topology
 from hpctrain.parallel.registry import strategy_class
 from hpctrain.section import ConfigError
 
@@ -76,10 +76,15 @@ class Plan:
 def make_plan(cfg: Config, env: ClusterEnv) -> tuple[Config, Plan]:
     """The config as this world runs it (``data.global_batch_size`` resolved to the micro-batch
     and accumulation, the checkpoint format a sharded strategy needs) and the run's plan.
-    Checks that need the world size fail here, every rank alike, before any process group."""
+    Checks that need the world size fail here, every rank alike, before any process group.
+    ``parallel.strategy=auto`` must be resolved before (:func:`hpctrain.parallel.auto.resolve_auto`:
+    the model measured on the meta device, the same choice on every rank; the trainer does it)."""
     from hpctrain.config import check_world, for_world
 
     p = cfg.parallel
+    if p.strategy == AUTO:
+        raise ConfigError("parallel.strategy=auto is chosen before the plan; hint: cfg = "
+                          "hpctrain.parallel.auto.resolve_auto(cfg, env), then make_plan(cfg, env)")
     topo = check_topology(p, env.world_size, num_nodes=env.num_nodes)  # a world that is not dp x tp x pp: exit 2
     check_world(cfg, topo.dp)  # the global batch is split over the dp replicas only
     cfg = for_world(cfg, topo.dp)
