@@ -13,8 +13,21 @@ from torch import nn
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules wrapped one by one: the transformer blocks, else the direct children that hold parameters."""
-    return transformer_blocks(model) or [child for child in model.children() if any(True for _ in child.parameters())]
+    """The modules wrapped one by one: the transformer blocks (a pipeline stage's ``blocks`` may hold
+    one), else the direct children that hold parameters, a container's children in its place (a
+    ``ModuleList`` has no forward to wrap)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks):
+        return list(blocks)
+    return transformer_blocks(model) or [unit for child in model.children() for unit in _units_of(child)]
+
+
+def _units_of(child: nn.Module) -> list[nn.Module]:
+    if not any(True for _ in child.parameters()):
+        return []
+    if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+        return [unit for inner in child.children() for unit in _units_of(inner)]
+    return [child]
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module] | None:

@@ -276,3 +276,20 @@ def test_a_bert_classifier_trains_on_a_users_integer_token_dataset(tmp_path):
                              "optim.name=adamw", "optim.lr=0.01", f"run.dir={tmp_path / 'run'}"])
     summary = train(cfg)
     assert summary["steps"] == 4 and summary["val_count"] == 32 and math.isfinite(summary["val_loss"])
+
+
+def test_units_of_a_one_block_stage_and_of_containers():
+    """A pipeline stage may hold one block (blocks of length 1): it is still the unit; a ModuleList
+    child is never a unit itself (FSDP cannot wrap a container without forward), its children are."""
+    from torch import nn
+
+    from hpctrain.parallel.units import shard_units
+
+    stage = nn.Module()
+    stage.blocks = nn.ModuleList([nn.Linear(2, 2)])
+    stage.head = nn.Linear(2, 2)
+    assert shard_units(stage) == [stage.blocks[0]]
+    other = nn.Module()
+    other.layers = nn.ModuleList([nn.Linear(2, 2)])
+    other.norm = nn.LayerNorm(2)
+    assert shard_units(other) == [other.layers[0], other.norm]
