@@ -37,7 +37,7 @@ __all__ = ["BatchPlan", "CheckpointConfig", "Config", "ConfigError", "DataConfig
 @dataclass(frozen=True, kw_only=True)
 class Config:
     seed: int = opt(0, "Seed: model init and data order use it as is (same on every rank); dropout and other randomness use seed + rank.")
-    precision: PrecisionMode = opt("fp32", "fp32 | bf16 (autocast) | fp16 (autocast + GradScaler loss scaling).")
+    precision: PrecisionMode = opt("fp32", "fp32 | bf16 (autocast) | fp16 (autocast + GradScaler loss scaling) | fp8 (torchao float8 linear layers + bf16 autocast; NVIDIA compute capability >= 9.0, else exit 2).")
     model: ModelConfig = sub(ModelConfig)
     data: DataConfig = sub(DataConfig)
     train: TrainConfig = sub(TrainConfig)
@@ -86,6 +86,20 @@ def _check_across_sections(cfg: Config) -> None:
             f"data.global_batch_size={cfg.data.global_batch_size} and train.grad_accum={cfg.train.grad_accum} "
             "are both set; hint: with a global batch the accumulation is derived (data.batch_size caps the "
             "micro-batch): leave train.grad_accum at 1")
+    _check_fp8(cfg)
+
+
+def _check_fp8(cfg: Config) -> None:
+    """fp8 converts the model's linear layers before the strategy wraps it: refused where that
+    conversion is not wired in (DeepSpeed's engine) or not tested (tensor parallel's plans)."""
+    if cfg.precision != "fp8":
+        return
+    if cfg.parallel.strategy == "deepspeed":
+        raise ConfigError("precision=fp8 is not available with parallel.strategy=deepspeed (its engine sets its own "
+                          "precision); hint: parallel.strategy=fsdp, or precision=bf16")
+    if cfg.parallel.tp > 1:
+        raise ConfigError(f"precision=fp8 with parallel.tp={cfg.parallel.tp} is not supported yet (float8 needs its "
+                          "own tensor-parallel styles); hint: parallel.tp=1, or precision=bf16")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

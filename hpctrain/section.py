@@ -23,7 +23,7 @@ from hpctrain.errors import UserError
 
 T = TypeVar("T")
 
-PrecisionMode = Literal["fp32", "bf16", "fp16"]  # the top-level config key `precision`
+PrecisionMode = Literal["fp32", "bf16", "fp16", "fp8"]  # the top-level config key `precision`
 
 
 class ConfigError(UserError):

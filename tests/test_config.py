@@ -46,7 +46,7 @@ def test_wrong_type_names_the_key(override, key):
 
 
 @pytest.mark.parametrize("override, hint", [
-    ("precision=fp8", "fp32, bf16, fp16"), ("data.batch_size=0", "must be > 0"),
+    ("precision=fp4", "fp32, bf16, fp16, fp8"), ("data.batch_size=0", "must be > 0"),
     ("train.grad_accum=-1", "must be > 0"), ("optim.min_lr_ratio=2", "within"),
 ])
 def test_bad_values_explained(override, hint):

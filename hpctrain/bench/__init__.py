@@ -1,5 +1,5 @@
 """``hpctrain bench NAME``: the workshop's demos as reproducible benchmarks, one file per case
-(baseline, scaling, amp, workers, batch, checkpoint, strategies; see docs/bench.md).
+(baseline, scaling, amp, workers, batch, checkpoint, strategies, mfu; see docs/bench.md).
 
 Every case measures on whatever hardware is present, prints a table (with a progress bar
 over its runs), writes ``NAME.json`` and ``NAME.png`` and states the hardware it ran on.

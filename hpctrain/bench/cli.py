@@ -25,6 +25,8 @@ CASES = {
     "checkpoint": "checkpoint save/load bandwidth against dd, torch.save and torch.distributed.checkpoint",
     "strategies": ("ddp, zero1, fsdp ZeRO-2/3, fsdp with CPU offload, deepspeed 1-3, tp2, pp2 on a GPT: tokens/s and "
                    "per-rank memory (params/grads/optimizer/activations)"),
+    "mfu": ("a Llama through hpctrain and through torchtitan, then fp8 against bf16: tokens/s, MFU, peak memory, "
+            "fp8 loss parity"),
 }
 
 

@@ -106,7 +106,9 @@ class Strategy:
         return self.parallelize(factory().to(self.device))
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """The documented order: tensor parallel -> activation checkpointing -> compile -> data parallel."""
+        """The documented order: (fp8 linears) -> tensor parallel -> activation checkpointing -> compile ->
+        data parallel."""
+        model = self.precision.convert(model)  # precision=fp8: torchao's float8 linears, before any wrapper
         if self.env.distributed and self.plan.tp > 1:
             from hpctrain.parallel.tensor import apply_tp
 

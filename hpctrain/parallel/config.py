@@ -153,4 +153,6 @@ def resolve_param_dtype(cfg: ParallelConfig, precision: str) -> str:
     """``param_dtype`` with ``auto`` resolved from the top-level ``precision`` key."""
     if cfg.param_dtype != "auto":
         return cfg.param_dtype
+    if precision == "fp8":  # float8 matmuls on bf16 parameters: FSDP gathers them in bf16
+        return "bf16"
     return precision if precision in ("bf16", "fp16") else "fp32"
