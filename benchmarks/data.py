@@ -28,6 +28,7 @@ import io
 import json
 import multiprocessing
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -292,6 +293,22 @@ def measure(batches: Iterable) -> tuple[float, int]:
     return count / (time.perf_counter() - start), count
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its reaped children (DataLoader workers, once shut down)."""
+    mine, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return mine.ru_utime + mine.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def measure_cpu(reader: Callable[[Path, int], Iterable], root: Path, workers: int) -> tuple[float, int, float]:
+    """(samples/s, samples, CPU us per sample of all processes): the CPU a reader spends per sample
+    moves much less than its wall-clock rate when other jobs share the cores."""
+    batches = reader(root, workers)
+    start = cpu_seconds()
+    rate, count = measure(batches)
+    del batches  # its workers were shut down when the pass ended (no persistent workers here)
+    return rate, count, 1e6 * (cpu_seconds() - start) / max(count, 1)
+
+
 def run_matrix(paths: dict[str, Path], workers: list[int], repeats: int,
                readers: list[str]) -> tuple[list[dict], str]:
     rows, how = [], ""
@@ -300,16 +317,18 @@ def run_matrix(paths: dict[str, Path], workers: list[int], repeats: int,
         root = paths[data]
         for cache in ("cold", "warm"):
             for w in workers:
-                best = 0.0
+                best, cpu = 0.0, float("inf")
                 for _ in range(repeats):
                     if cache == "cold":
                         how = drop_cache(root)
                     else:
                         warm_cache(root)
-                    rate, count = measure(reader(root, w))
-                    best = max(best, rate)
-                rows.append({"reader": name, "cache": cache, "workers": w, "samples_per_s": best, "samples": count})
-                print(f"{name:<11} {cache:<5} workers={w}  {best:8.0f} samples/s", flush=True)
+                    rate, count, us = measure_cpu(reader, root, w)
+                    best, cpu = max(best, rate), min(cpu, us)
+                rows.append({"reader": name, "cache": cache, "workers": w, "samples_per_s": best, "samples": count,
+                             "cpu_us_per_sample": cpu})
+                print(f"{name:<14} {cache:<5} workers={w}  {best:8.0f} samples/s  {cpu:6.0f} us CPU/sample "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
     return rows, how
 
 
@@ -345,9 +364,13 @@ def train_wait(root: Path, steps: int, workers: list[int]) -> list[dict]:
 
 def ratios(rows: list[dict]) -> dict[str, float]:
     """Each reader at its best worker count; the headline is PNG shards vs the PNG folder (same
-    bytes); "best other" is the best of the peers that ran (the JSON's ``skipped`` says which did not)."""
+    bytes); "best other" is the best of the peers that ran (the JSON's ``skipped`` says which did not).
+    ``..._cpu``: the same like-for-like ratio by CPU per sample (the peers' least over hpctrain's)."""
     def best(reader: str, cache: str) -> float:
         return max(r["samples_per_s"] for r in rows if r["reader"] == reader and r["cache"] == cache)
+
+    def least_cpu(reader: str, cache: str) -> float:  # CPU us per sample at its cheapest worker count
+        return min(r["cpu_us_per_sample"] for r in rows if r["reader"] == reader and r["cache"] == cache)
     ran = {r["reader"] for r in rows}
     peers = [r for r in OTHERS if r in ran]
     out = {}
@@ -358,7 +381,8 @@ def ratios(rows: list[dict]) -> dict[str, float]:
         if peers:
             others = max(best(r, c) for r in peers)
             out |= {f"vs_best_other_{c}": best("shards-png", c) / others,
-                    f"pil_vs_best_other_{c}": best("shards-png-pil", c) / others}
+                    f"pil_vs_best_other_{c}": best("shards-png-pil", c) / others,
+                    f"pil_vs_best_other_{c}_cpu": min(least_cpu(r, c) for r in peers) / least_cpu("shards-png-pil", c)}
         out |= {f"vs_{r}_{c}": best("shards-png", c) / best(r, c) for r in peers}
     return out
 

@@ -25,14 +25,15 @@ import logging
 import os
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from hpctrain.data.batch import Batch, BatchedDataset, as_model_input, pass_batch
+from hpctrain.data.batch import Batch, BatchedDataset, PackedBatch, as_model_input, pass_batch
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.manifest import (
     IMAGE_EXTS,
@@ -228,8 +229,47 @@ def decode_image(data: bytes) -> np.ndarray:
         return spng(data)
     from PIL import Image
 
-    with Image.open(io.BytesIO(data), formats=_PIL_FORMATS) as img:  # no probing of every plugin
-        return np.asarray(img if img.mode in ("L", "RGB") else img.convert("RGB"))
+    # No ``with``: the image holds only this in-memory buffer, and closing it costs ~4 us a sample.
+    img: Image.Image = Image.open(io.BytesIO(data), formats=_PIL_FORMATS)  # no probing of every plugin
+    if img.mode not in ("L", "RGB"):
+        img = img.convert("RGB")
+    # the pixels PIL decoded, as np.asarray(img) gives them, without its array-interface detour
+    shape = (img.height, img.width) if img.mode == "L" else (img.height, img.width, 3)
+    return np.frombuffer(img.tobytes(), dtype=np.uint8).reshape(shape)
+
+
+@dataclass(frozen=True)
+class InputConversion:
+    """How a batch of stacked raw inputs becomes the model's input, from the manifest's decode
+    info: HWC images to NCHW, then ``/ scale`` and ``(x - mean) / std`` when given. Arrays of
+    integers other than uint8 (token ids, integer features) stay integers, as int64. A value,
+    not a method, so that a worker's :class:`PackedBatch` carries it to the main process."""
+
+    image: bool
+    scale: float | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+    @classmethod
+    def of(cls, info: dict[str, Any], input_field: str) -> InputConversion:
+        mean, std = info.get("mean"), info.get("std")
+        return cls(image=input_field.rsplit(".", 1)[-1] in IMAGE_EXTS or info.get("layout") == "hwc",
+                   scale=float(info["scale"]) if info.get("scale") else None,
+                   mean=None if mean is None else tuple(mean), std=None if std is None else tuple(std))
+
+    def __call__(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if self.image:  # NCHW in uint8 first: a quarter of the bytes to move as float (same values)
+            t = (t.unsqueeze(1) if t.ndim == 3 else t.permute(0, 3, 1, 2)).contiguous()
+        if not (self.image or self.scale or self.mean is not None):
+            return as_model_input(t).contiguous()
+        x = t.float()
+        if self.scale:
+            x = x.div_(self.scale)
+        if self.mean is not None and self.std is not None:
+            shape = (1, -1) + (1,) * (x.ndim - 2)
+            x = (x - torch.tensor(self.mean).view(shape)) / torch.tensor(self.std).view(shape)
+        return x.contiguous()
 
 
 def decode_field(ext: str, data: bytes) -> Any:
@@ -271,6 +311,7 @@ class ShardDataset(Dataset):
         ext = self.input_field.rsplit(".", 1)[-1]
         if ext in IMAGE_EXTS and not (ext == "png" and _spng()):  # libspng alone reads most PNGs
             pillow()  # here, as a UserError with the install hint, not as every sample's decode failure
+        self._conversion = InputConversion.of(index.decode, self.input_field)
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
         self._fill: Any = None
@@ -338,11 +379,17 @@ class ShardDataset(Dataset):
             log.warning("skipping a bad sample: %s", err)
             return None
 
-    def __getitems__(self, ids: list[int]) -> Batch | WorkerError:
-        return in_worker(self.batch, ids)
+    def __getitems__(self, ids: list[int]) -> Batch | PackedBatch | WorkerError:
+        if get_worker_info() is None:
+            return self.batch(ids)
+        return in_worker(self.packed, ids)  # made a Batch in the main process (raise_worker_errors)
 
     def batch(self, ids: list[int]) -> Batch:
         """The samples ``ids`` (PAD: a masked padding slot) as one :class:`Batch`."""
+        return self.packed(ids).unpack()
+
+    def packed(self, ids: list[int]) -> PackedBatch:
+        """The samples ``ids`` read, decoded and stacked, before the conversion to tensors."""
         real = sorted({g for g in ids if g != PAD}, key=lambda g: (self.index.shard_of[g], self.index.start[g]))
         samples = {g: self._read_or_skip(g) for g in real}  # file order within the batch
         rows = [self._convert(samples.get(g)) for g in ids]
@@ -352,8 +399,8 @@ class ShardDataset(Dataset):
             targets.append(row[1] if row is not None else 0)
             keys.append(self.index.keys[g] if g != PAD else "")  # masked + key = skipped; masked, no key = padding
             mask.append(row is not None)
-        return Batch(self._stack(inputs), torch.tensor(targets, dtype=torch.int64), keys,
-                     None if all(mask) else torch.tensor(mask, dtype=torch.bool))
+        return PackedBatch(self._stack(inputs), targets, keys, None if all(mask) else mask,
+                           None if self.transform is not None else self._conversion)
 
     def _convert(self, sample: dict[str, Any] | None) -> tuple[Any, int] | None:
         if sample is None:
@@ -366,15 +413,21 @@ class ShardDataset(Dataset):
             target = target[self.target_key]
         return sample[self.input_field], int(target)
 
-    def _stack(self, inputs: list[Any]) -> torch.Tensor:
+    def _stack(self, inputs: list[Any]) -> Any:
+        """The batch's inputs stacked, as numpy (for a worker's pipe, see PackedBatch): the raw arrays,
+        or the transform's tensors (a tensor still where numpy lacks the dtype)."""
         fill = next((x for x in inputs if x is not None), None)
         if fill is None:  # every slot is padding or skipped: zeros of a real sample's shape
             fill = self._fallback_input()
         if self.transform is not None:
             zero = torch.zeros_like(torch.as_tensor(fill))
-            return torch.stack([torch.as_tensor(x) if x is not None else zero for x in inputs])
+            stacked = torch.stack([torch.as_tensor(x) if x is not None else zero for x in inputs])
+            try:
+                return stacked.numpy()  # shares the memory: no copy
+            except (TypeError, RuntimeError):  # bfloat16, float8 (no numpy dtype), or a tensor needing grad
+                return stacked
         zero = np.zeros_like(fill)
-        return self._to_model_input(np.stack([x if x is not None else zero for x in inputs]))
+        return np.stack([x if x is not None else zero for x in inputs])
 
     def _fallback_input(self) -> Any:
         if self._fill is None:
@@ -387,31 +440,15 @@ class ShardDataset(Dataset):
                 raise CorruptSampleError(f"{self.index.root}: no sample of split {self.index.split} can be read")
         return self._fill
 
-    def _to_model_input(self, arr: np.ndarray) -> torch.Tensor:
-        """One batched conversion (not per sample): HWC images to NCHW, then ``/ scale`` and
-        ``(x - mean) / std`` when the manifest's decode info gives them. Arrays of integers
-        other than uint8 (token ids, integer features) stay integers, as int64."""
-        info = self.index.decode
-        t = torch.from_numpy(arr)
-        image = self.input_field.rsplit(".", 1)[-1] in IMAGE_EXTS or info.get("layout") == "hwc"
-        if image:
-            t = t.unsqueeze(1) if t.ndim == 3 else t.permute(0, 3, 1, 2)
-        if not (image or info.get("scale") or info.get("mean") is not None):
-            return as_model_input(t).contiguous()
-        x = t.float()
-        if info.get("scale"):
-            x = x.div_(float(info["scale"]))
-        if info.get("mean") is not None and info.get("std") is not None:
-            shape = (1, -1) + (1,) * (x.ndim - 2)
-            x = (x - torch.tensor(info["mean"]).view(shape)) / torch.tensor(info["std"]).view(shape)
-        return x.contiguous()
-
     def sample_shape(self) -> tuple[int, ...]:
         """The shape of one decoded input (from the first sample)."""
         return tuple(self.batch([0]).inputs.shape[1:])
 
 
-def in_worker(read: Callable[[list[int]], Batch], ids: list[int]) -> Batch | WorkerError:
+T = TypeVar("T")
+
+
+def in_worker(read: Callable[[list[int]], T], ids: list[int]) -> T | WorkerError:
     """``read(ids)``; in a DataLoader worker, an hpctrain error is returned, not raised: DataLoader
     would re-raise it in the main process with the worker's traceback as its message."""
     if get_worker_info() is None:
@@ -430,12 +467,13 @@ class WorkerError:
         self.error = error
 
 
-def raise_worker_errors(batches: Iterator[Batch | WorkerError]) -> Iterator[Batch]:
-    """A DataLoader's batches; a worker's error is raised here as itself: one line, no traceback."""
+def raise_worker_errors(batches: Iterator[Batch | PackedBatch | WorkerError]) -> Iterator[Batch]:
+    """A DataLoader's batches, a worker's packed ones unpacked; a worker's error is raised here as
+    itself: one line, no traceback."""
     for batch in batches:
         if isinstance(batch, WorkerError):
             raise batch.error
-        yield batch
+        yield batch.unpack() if isinstance(batch, PackedBatch) else batch
 
 
 def _first_input(fields: list[str]) -> str:
