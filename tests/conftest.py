@@ -38,3 +38,12 @@ def shakespeare_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("shakespeare") / "s"
     write_text_shards("shakespeare", out, seq_len=32, glob="*shksprdata/texts/[hm]*_gut.txt")
     return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With pytest-xdist (pyproject's addopts: ``-n 2 --dist loadgroup``): each file runs whole on
+    one worker (its module fixtures once, its launches in order), and the tests that bring up a
+    Slurm or a second host (network namespaces, fixed names) share one worker, one after another."""
+    for item in items:
+        shared = item.get_closest_marker("slurm") or item.get_closest_marker("multinode")
+        item.add_marker(pytest.mark.xdist_group("cluster" if shared else item.nodeid.split("::")[0]))
