@@ -40,6 +40,7 @@ def shakespeare_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the scopes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """With pytest-xdist (pyproject's addopts: ``-n 2 --dist loadgroup``): each file runs whole on
     one worker (its module fixtures once, its launches in order), and the tests that bring up a

@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--log-interval", type=int, default=10)
     parser.add_argument("--train-samples", type=int, default=None, help="the first N training images (tests)")
+    parser.add_argument("--test-samples", type=int, default=None, help="the first N test images (tests)")
     parser.add_argument("--save-model", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -79,7 +80,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     from data import mnist  # the tutorial's torchvision MNIST (a module beside this script)
 
-    train_set, test_set = mnist(args.train_samples)
+    train_set, test_set = mnist(args.train_samples, args.test_samples)
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler)
     test_sampler = DistributedSampler(test_set, shuffle=False)
