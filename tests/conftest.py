@@ -42,9 +42,15 @@ def shakespeare_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the scopes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With pytest-xdist (pyproject's addopts: ``-n 2 --dist loadgroup``): each file runs whole on
+    """With pytest-xdist (pyproject's addopts: ``-n 4 --dist loadgroup``): each file runs whole on
     one worker (its module fixtures once, its launches in order), and the tests that bring up a
     Slurm or a second host (network namespaces, fixed names) share one worker, one after another."""
+    groups: dict[pytest.Item, str] = {}
     for item in items:
         shared = item.get_closest_marker("slurm") or item.get_closest_marker("multinode")
-        item.add_marker(pytest.mark.xdist_group("cluster" if shared else item.nodeid.split("::")[0]))
+        groups[item] = "cluster" if shared else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    # the longest groups first (pyproject: --no-loadscope-reorder keeps this order), so that no
+    # worker starts the Slurm jobs or a file of launches while the others run out of work
+    slow = {groups[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: 0 if groups[item] == "cluster" else 1 if groups[item] in slow else 2)

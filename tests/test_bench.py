@@ -44,6 +44,8 @@ from hpctrain.cli import main
 from hpctrain.errors import RunError
 from hpctrain.launch.doctor import cpus
 
+pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)
+
 pytest.importorskip("matplotlib", reason="hpctrain bench draws with matplotlib (the bench extra)")
 Image = pytest.importorskip("PIL.Image", reason="pillow checks the PNGs")
 

@@ -23,9 +23,9 @@ import torch
 from tests.dist_utils import ROOT, launch_env
 
 TUTORIAL = ROOT / "examples" / "tutorial"
-ARGS = ["--epochs", "2", "--train-samples", "1280", "--test-samples", "2000", "--batch-size", "32",
+ARGS = ["--epochs", "2", "--train-samples", "640", "--test-samples", "1000", "--batch-size", "16",
         "--log-interval", "1", "--save-model"]
-STEPS = 40  # 1280 / (32 x 2 ranks) = 20 steps an epoch; after.py checkpoints every 20 steps
+STEPS = 40  # 640 / (16 x 2 ranks) = 20 steps an epoch; after.py checkpoints every 20 steps
 pytestmark = pytest.mark.slow
 
 
@@ -88,7 +88,7 @@ def test_the_port_is_exact_and_resumes_bit_identical_after_a_preemption_and_a_si
     code, out = _finish(_start(reference))
     assert code == 0, out[-3000:]
     want = _tests(out)
-    assert len(want) == 2 and all("/2000 " in line for line in want), want  # every test image, once
+    assert len(want) == 2 and all("/1000 " in line for line in want), want  # every test image, once
     # the single-process truth: the final weights on the whole test set, in this process
     sys.path.insert(0, str(TUTORIAL))
     try:
@@ -99,13 +99,13 @@ def test_the_port_is_exact_and_resumes_bit_identical_after_a_preemption_and_a_si
     net = Net()
     net.load_state_dict(_weights(reference))
     net.eval()
-    test_set = mnist(1, 2000)[1]
+    test_set = mnist(1, 1000)[1]
     with torch.no_grad():
         correct = sum(int((net(x).argmax(1) == y).sum()) for x, y in torch.utils.data.DataLoader(test_set, 1000))
-    assert f"Accuracy: {correct}/2000 " in want[-1], (correct, want)
+    assert f"Accuracy: {correct}/1000 " in want[-1], (correct, want)
 
     proc = _start(run)  # preempted mid-epoch 1: every rank saves the step it is at, exit 3
-    _read_until(proc, r"Train Epoch: 1 \[160/")
+    _read_until(proc, r"Train Epoch: 1 \[80/")
     os.kill(proc.pid, signal.SIGUSR1)
     code, out = _finish(proc)
     assert code == 3, out[-3000:]

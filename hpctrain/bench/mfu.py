@@ -22,11 +22,11 @@ Rows, each a fresh process (peak memory is per process):
 Reported: steady-state tokens/s (the steps after the warm-up, timed between device syncs),
 the speed-up over hpctrain bf16, MFU, peak memory (CUDA's peak allocated bytes on a GPU, the
 peak RSS on a CPU) and the loss at the last logged step. MFU is the model FLOPs of hpctrain's
-estimator (:func:`hpctrain.estimate.flops.model_flops`: 6 x parameters + attention's 12 x layers
-x width x sequence per token) over the GPU's dense bf16 peak from :mod:`hpctrain.estimate.hardware`,
-for every row, fp8 included (the convention torchtitan follows): no FLOP counts from the trainers
-themselves, so both are measured alike. On a CPU, and on a GPU the peak table lacks, MFU is
-not reported (``-``): a CPU has no datasheet peak to hold it against.
+estimator (:func:`hpctrain.estimate.flops.model_flops`: 6 x the parameters a token multiplies
+by + attention's 12 x layers x width x sequence per token) over the GPU's dense bf16 peak from
+:mod:`hpctrain.estimate.hardware`, for every row, fp8 included (the convention torchtitan follows):
+no FLOP counts from the trainers themselves, so both are measured alike. On a CPU, and on a GPU
+the peak table lacks, MFU is not reported (``-``): a CPU has no datasheet peak to hold it against.
 
 fp8's loss parity: the two hpctrain runs start from the same weights and read the same
 windows, so their losses at the same logged steps are comparable; parity holds when the mean

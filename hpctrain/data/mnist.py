@@ -8,12 +8,13 @@ in-memory tensors (the manifest's ``decode`` holds the same scale, mean and std)
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import struct
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -58,18 +59,15 @@ def mnist_file(path: str | None = None) -> Path:
 
 
 def _mnist_arrays(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray]:
-    """(images as pixel/256 float32, labels) of a split, as the pickle stores them."""
+    """(images as pixel/256 float32, labels) of a split, as the pickle stores them. Shared
+    between calls (callers copy before changing them): a run reads train and val, a test many."""
     check_split(split)
     file = mnist_file(path)
     try:
-        with gzip.open(file, "rb") as fh:
-            # numpy arrays only: a data file handed over by someone else must never run code
-            parts = safe_pickle.load(fh, safe_pickle.numpy_arrays_allowed, f"MNIST pickle {file}", encoding="latin1")
-    except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # a random file, another archive, a cut download
-        raise DataFormatError(f"data.path {file} is not MNIST's mnist.pkl.gz (not a complete gzip file: {err}); "
-                              f"hint: point data.path at mnist.pkl.gz or its folder, or {MNIST_INSTALL_HINT}") from err
+        stat = file.stat()
     except OSError as err:
         raise io_error("read MNIST from", file, err) from err
+    parts = _mnist_parts(str(file.resolve()), (stat.st_mtime_ns, stat.st_size))
     try:
         images, labels = (np.asarray(a) for a in parts[SPLITS.index(split)])
     except (TypeError, IndexError, KeyError, ValueError) as err:
@@ -80,6 +78,23 @@ def _mnist_arrays(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray]
                               f"labels of shape {labels.shape}, not N x 784 pixels with N labels; hint: data.path "
                               "names another file")
     return images, labels
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist_parts(name: str, stamp: tuple[int, int]) -> Any:
+    """The unpickled file, once per process and version (``stamp``: mtime and size): 1.3 s of
+    gunzip and safe unpickling that train and val would otherwise each pay."""
+    file = Path(name)
+    try:
+        with gzip.open(file, "rb") as fh:
+            # numpy arrays only: a data file handed over by someone else must never run code
+            parts = safe_pickle.load(fh, safe_pickle.numpy_arrays_allowed, f"MNIST pickle {file}", encoding="latin1")
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # a random file, another archive, a cut download
+        raise DataFormatError(f"data.path {file} is not MNIST's mnist.pkl.gz (not a complete gzip file: {err}); "
+                              f"hint: point data.path at mnist.pkl.gz or its folder, or {MNIST_INSTALL_HINT}") from err
+    except OSError as err:
+        raise io_error("read MNIST from", file, err) from err
+    return parts
 
 
 def load_mnist(split: str, path: str | None = None) -> ArrayDataset:

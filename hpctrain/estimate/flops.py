@@ -29,8 +29,9 @@ def attention_flops(shape: TransformerShape, tokens: float) -> float:
 
 def model_flops(shape: TransformerShape, tokens: float) -> float:
     """Forward+backward FLOPs the model needs, MFU's numerator (PaLM, appendix B): 6 x the
-    parameters a token uses (a mixture's active ones) plus attention."""
-    return training_flops(shape.active_params, tokens) + attention_flops(shape, tokens)
+    parameters a token multiplies by (a mixture's active ones; not the input lookup tables, as
+    torchtitan counts) plus attention."""
+    return training_flops(shape.active_params - shape.lookup_params, tokens) + attention_flops(shape, tokens)
 
 
 def recompute_flops(shape: TransformerShape | None, params: float, tokens: float, recompute: str) -> float:

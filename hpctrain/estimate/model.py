@@ -144,6 +144,12 @@ class TransformerShape:
         return self.layers * self.active_layer_params + self.embedding_params + self.head_params
 
     @property
+    def lookup_params(self) -> int:
+        """Parameters a token reads but does not multiply by: the input tables (token embedding,
+        learned positions), unless the output layer multiplies by the tied token embedding."""
+        return self.embedding_params - (self.vocab * self.hidden if self.tied else 0)
+
+    @property
     def expert_total(self) -> int:
         """Parameters in expert MLPs (split further by expert parallelism); 0 for a dense model."""
         return self.layers * self.experts * self.expert_params if self.experts > 1 else 0

@@ -106,8 +106,10 @@ def _flops(inp: Inputs, tokens: float) -> tuple[float, float, float | None, str]
     if inp.counted_flops_per_sample is not None:
         counted = inp.counted_flops_per_sample * tokens
         return six_nd, counted, counted, "counted FLOPs"
-    if inp.shape is not None:
-        return six_nd, six_nd + flops.attention_flops(inp.shape, tokens), None, "6ND + attention"
+    if inp.shape is not None:  # scaled like active_params, should --params override the shape's count
+        multiplied = inp.active_params * (1 - inp.shape.lookup_params / inp.shape.active_params)
+        model = flops.training_flops(multiplied, tokens) + flops.attention_flops(inp.shape, tokens)
+        return six_nd, model, None, "6ND + attention"
     return six_nd, six_nd, None, "6ND"
 
 

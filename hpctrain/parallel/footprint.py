@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from hpctrain.parallel.wrappers import local_part as _local
 
@@ -25,8 +26,12 @@ StorageKey = tuple[str, int]
 
 
 def storage_key(tensor: torch.Tensor) -> StorageKey | None:
-    """Where the tensor's memory lives (None: no memory, e.g. meta or freed)."""
+    """Where the tensor's memory lives (None: no memory, e.g. meta or freed). A wrapper subclass
+    without storage of its own (a not-yet-waited collective's result) lives in its inner tensor."""
     local = _local(tensor)
+    if is_traceable_wrapper_subclass(local):
+        inner = local.__tensor_flatten__()[0]
+        return storage_key(getattr(local, inner[0])) if inner else None
     if local.device.type == "meta":
         return None
     storage = local.untyped_storage()

@@ -28,6 +28,8 @@ from hpctrain.config import load_config
 from hpctrain.train import train
 from tests.dist_utils import free_port, launch_env
 
+pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 300  # a hang, not a slow machine: 5x the quiet ~20 s of the slowest case, and more
 BASE = ["model.name=tests.ckpt_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=128",

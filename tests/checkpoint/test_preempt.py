@@ -24,6 +24,8 @@ from hpctrain.cli import main as cli_main
 from tests.ckpt_models import SLOW_RUN_ARGS
 from tests.dist_utils import finish_launch, launch_env, train_cases
 
+pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = SLOW_RUN_ARGS
 TIMEOUT = 120
@@ -95,12 +97,13 @@ def test_sigusr1_to_one_rank_saves_within_a_step_and_resumes_bit_identical(tmp_p
     ranks = _workers(proc.pid)
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGUSR1)  # one rank only: the all-reduce must carry it to the other
+    signalled = _last_step(run_dir)  # the step logged when the signal had arrived, or later on a busy machine
     code, out = _finish(proc)
     assert code == EXIT_PREEMPTED, out[-4000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["outcome"] == "preempted"
     saved = [s for s, _ in layout.committed(run_dir / "checkpoints")]
-    assert len(saved) == 1 and seen <= saved[0] <= seen + 2, (seen, saved)
+    assert len(saved) == 1 and seen <= saved[0] <= signalled + 2, (seen, signalled, saved)  # within a step
     assert not (run_dir / "summary.json").exists()
     code, out = _run(_hpctrain_run(run_dir, dcp))
     assert code == 0, out[-4000:]
@@ -145,11 +148,12 @@ def test_usr1_to_the_process_group_saves_exits_3_leaves_nothing_and_resumes_bit_
     ranks = _workers(proc.pid)
     assert len(ranks) == 2 and all(os.getpgid(r) != proc.pid for r in ranks), ranks
     os.killpg(proc.pid, signal.SIGUSR1)
+    signalled = _last_step(run_dir)
     code, out = _finish(proc)
     assert code == EXIT_PREEMPTED, out[-4000:]
     assert read_status(run_dir)["outcome"] == "preempted"
     saved = [s for s, _ in layout.committed(run_dir / "checkpoints")]
-    assert len(saved) == 1 and seen <= saved[0] <= seen + 2, (seen, saved)  # within a step of the signal
+    assert len(saved) == 1 and seen <= saved[0] <= signalled + 2, (seen, signalled, saved)  # within a step
     deadline = time.monotonic() + 10
     while (any(_alive(r) for r in ranks) or _group_alive(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.05)

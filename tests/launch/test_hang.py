@@ -27,6 +27,8 @@ from hpctrain.telemetry import heartbeat, meter
 from tests.checkpoint import test_preempt as preempt
 from tests.dist_utils import finish_launch, launch_env
 
+pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)
+
 HANG_S = 3
 TINY = ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=1024",
         "data.batch_size=16", "data.max_val_samples=32", "train.epochs=1", "train.log_every=1",

@@ -30,7 +30,10 @@ def _reference(model: str, steps: int = 10) -> dict:
 
 
 def _check(result: dict, ref: dict) -> None:
-    assert max(abs(a - b) for a, b in zip(result["losses"], ref["losses"])) <= 1e-5
+    # the step-0 gradients, before any update, must agree to float rounding; over 10 AdamW steps
+    # (lr 1e-2) reduction-order rounding grows: 4e-5 of a ~5.5 loss on an AMD EPYC (AVX2), under
+    # 1e-5 on the Xeons; a wrong reduction or shard moves the loss by orders of magnitude more
+    assert max(abs(a - b) for a, b in zip(result["losses"], ref["losses"])) <= 1e-4
     assert max_diff(result["grads0"], ref["grads0"]) <= 1e-6
     assert ref["losses"][-1] < ref["losses"][0]
 

@@ -31,6 +31,17 @@ def test_saved_bytes_count_each_storage_once_and_free_in_backward():
     assert meter.live == 0 and meter.peak == 8 * 16 * F32
 
 
+def test_a_not_yet_waited_collective_counts_as_its_inner_tensor():
+    """A tensor-parallel all-reduce returns an AsyncCollectiveTensor: a wrapper without storage."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    inner = torch.randn(8, 16, requires_grad=True).exp()
+    with SavedTensorMeter() as meter:
+        wrapped = AsyncCollectiveTensor(inner)
+        (wrapped * inner).sum()  # mul saves both operands
+    assert meter.peak == 8 * 16 * F32  # one storage, saved twice: once through the wrapper
+
+
 def test_saved_parameters_are_not_activations():
     layer = nn.Linear(16, 4, bias=False)
     inputs = torch.randn(8, 16, requires_grad=True)

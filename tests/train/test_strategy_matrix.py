@@ -22,6 +22,8 @@ from hpctrain.rundir import params_sha256
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import train_cases
 
+pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)
+
 COMMON = ["train.max_steps=2", "train.progress=false", "train.threads=1", "checkpoint.every_seconds=None",
           "data.batch_size=4", "data.eval_batch_size=8", "data.max_val_samples=21", "checkpoint.enabled=false",
           "optim.schedule=constant", "telemetry.straggler_every_steps=0"]
