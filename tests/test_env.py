@@ -164,18 +164,22 @@ def test_detect_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def _user_group_rank(rank: int, world: int, ports: tuple[int, int], queue) -> None:
+def _user_group_rank(rank: int, world: int, port: int, queue) -> None:
     """What mp.spawn users write: MASTER_ADDR/PORT, an explicit rank, no RANK or WORLD_SIZE."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     env = detect()
     init_distributed(env, "gloo")  # uses the running group: a second init would raise
     teardown()  # not hpctrain's group: it keeps running
     total = torch.ones(1)
     dist.all_reduce(total)
+    # the next group's port, picked just before use (a port picked at the start could be taken
+    # by another test's ranks while these import torch)
+    second = [free_port() if rank == 0 else 0]
+    dist.broadcast_object_list(second)
     dist.destroy_process_group()
     ours = ClusterEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
-                      master_addr="127.0.0.1", master_port=ports[1], source="slurm")
+                      master_addr="127.0.0.1", master_port=second[0], source="slurm")
     init_distributed(ours, "gloo")
     teardown()  # hpctrain's own group: ended
     queue.put((rank, env, total.item(), dist.is_initialized()))
@@ -184,7 +188,7 @@ def _user_group_rank(rank: int, world: int, ports: tuple[int, int], queue) -> No
 def test_detect_and_teardown_respect_a_group_the_user_started():
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_user_group_rank, args=(2, (free_port(), free_port()), queue), nprocs=2, join=True)
+    mp.spawn(_user_group_rank, args=(2, free_port(), queue), nprocs=2, join=True)
     results = {r: rest for r, *rest in (queue.get() for _ in range(2))}
     for rank, (env, total, still_running) in results.items():
         assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (rank, 2, rank, 2)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=256",
         "data.batch_size=16", "train.progress=false", "train.log_every=4", "data.max_val_samples=32",
         "train.threads=1", "train.max_steps=8"]
-# Every rank sleeps 30 ms per training forward; $HPCTRAIN_TEST_SLOW_RANK sleeps 120 ms.
+# Every rank sleeps 30 ms per training forward; $HPCTRAIN_TEST_SLOW_RANK sleeps 300 ms.
 STRAGGLER = [*BASE, "model.name=tests.user_models:straggler_mlp", "telemetry.straggler_every_steps=4",
              "telemetry.straggler_threshold=1.5", "checkpoint.enabled=false"]
 
