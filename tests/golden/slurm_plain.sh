@@ -40,7 +40,8 @@ while [ "$interrupted" = 1 ]; do interrupted=0; wait "$step"; code=$?; done
 
 status="$RUN_DIR/status.json"; restarts=${SLURM_RESTART_COUNT:-0}; preempted=0
 if [ "$code" -eq 3 ]; then preempted=1
-elif [ "$code" -ne 0 ] && [ "$(stat -c %Y "$status" 2>/dev/null || echo 0)" -ge "$started" ] && grep -Eq '"outcome": *"preempted"' "$status"; then preempted=1; fi
+# the ranks saved and said so, but the step's own code is srun's (a task killed after the save) or lost (bash's wait, hit by a second signal as the step ended, can return -1): exit 3 all the same
+elif [ "$code" -ne 0 ] && [ "$(stat -c %Y "$status" 2>/dev/null || echo 0)" -ge "$started" ] && grep -Eq '"outcome": *"preempted"' "$status"; then preempted=1; code=3; fi
 echo "hpctrain: job step exited with $code (preempted=$preempted, restarts=$restarts)"
 if [ "$preempted" = 1 ] && [ "$restarts" -lt "$MAX_REQUEUES" ]; then
   echo "hpctrain: requeue $((restarts + 1)) of $MAX_REQUEUES"; scontrol requeue "$SLURM_JOB_ID"

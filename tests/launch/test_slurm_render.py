@@ -84,10 +84,16 @@ def test_multinode_numbers() -> None:
 
 FAKE_SRUN = """#!/bin/bash
 # a job step: trains until a preemption signal (then "saves" and exits 3) or exits with $STEP_EXIT by itself
-for sig in USR1 USR2 HUP TERM; do trap "echo step-got-$sig >> $LOG; exit 3" $sig; done
+# (as hpctrain's ranks do, the step records the preemption in the run's status.json before it exits 3)
+for sig in USR1 USR2 HUP TERM; do
+  trap "echo step-got-$sig >> $LOG; mkdir -p ${STATUS%/*}; echo '{\"outcome\": \"preempted\"}' > $STATUS; exit 3" $sig
+done
 echo $$ > "$LOG.step"
 echo "srun $*" >> "$LOG"
-[ -n "${STEP_EXIT:-}" ] && exit "$STEP_EXIT"
+if [ -n "${STEP_EXIT:-}" ]; then  # STEP_SAVED: the ranks saved and said so first (then srun killed them)
+  [ -n "${STEP_SAVED:-}" ] && mkdir -p "${STATUS%/*}" && echo '{"outcome": "preempted"}' > "$STATUS"
+  exit "$STEP_EXIT"
+fi
 for _ in $(seq 200); do sleep 0.05; done
 exit 0
 """
@@ -109,7 +115,7 @@ def _default_signals() -> None:
 
 
 def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signal_after: float | None = None,
-                max_requeues: int = 2, sig: str = "USR1") -> tuple[int, str]:
+                max_requeues: int = 2, sig: str = "USR1", saved: bool = False) -> tuple[int, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)):
@@ -120,8 +126,10 @@ def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signa
     script.write_text(render(plan_job(opts, [f"run.dir={tmp_path / 'run'}"], environ={}, workdir=tmp_path)))
     log = tmp_path / "log"
     log.write_text("")
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_RESTART_COUNT": str(restarts), "STEP_EXIT": step_exit}
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "STATUS": str(tmp_path / "run" / "status.json"),
+           "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_RESTART_COUNT": str(restarts), "STEP_EXIT": step_exit,
+           "STEP_SAVED": "1" if saved else ""}
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=_default_signals)
     if signal_after is not None:
@@ -153,6 +161,13 @@ def test_no_requeue_after_k_restarts_nor_on_failure(tmp_path: Path) -> None:
     assert code == 1 and "scontrol requeue" not in out, out
     code, out = _run_script(tmp_path / "ok", step_exit="0")
     assert code == 0 and "scontrol requeue" not in out, out
+
+
+def test_a_step_that_saved_but_lost_its_exit_code_is_requeued_with_exit_3(tmp_path: Path) -> None:
+    """srun's code for tasks killed after the save (137), or bash's -1 when a second signal hits
+    `wait` as the step ends: the run's status.json, written since the job started, says preempted."""
+    code, out = _run_script(tmp_path, step_exit="137", saved=True)
+    assert code == 3 and "exited with 3 (preempted=1" in out and out.count("scontrol requeue 4242") == 1, out
 
 
 # ---------------------------------------------------------------- validation: exit 2, numbers, nothing written
