@@ -42,7 +42,7 @@ def shakespeare_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the scopes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With pytest-xdist (pyproject's addopts: ``-n 4 --dist loadgroup``): each file runs whole on
+    """With pytest-xdist (pyproject's addopts: ``-n 3 --dist loadgroup``): each file runs whole on
     one worker (its module fixtures once, its launches in order), and the tests that bring up a
     Slurm or a second host (network namespaces, fixed names) share one worker, one after another."""
     groups: dict[pytest.Item, str] = {}
