@@ -31,6 +31,7 @@ from hpctrain.data.user import (
     StreamLoader,
     UserData,
     class_count,
+    is_stateful,
     is_stream,
     map_style,
     materialize,
@@ -285,7 +286,7 @@ def _first(dataset: BatchedDataset, limit: int | None) -> BatchedDataset:
 
 def _stream_template(stream: Any, items: ItemDataset) -> Batch:
     """The first item of a stream as a one-sample batch (a Stateful stream's state is kept)."""
-    saved = stream.state_dict() if hasattr(stream, "state_dict") else None
+    saved = stream.state_dict() if is_stateful(stream) else None
     first = next(iter(stream), None)
     if saved is not None:
         stream.load_state_dict(saved)

@@ -188,7 +188,7 @@ class StreamLoader(Passes):
         self.dataset, self.items, self.env, self.name = dataset, items, env, name
         self.batch_size, self.drop_last = batch_size, drop_last
         self.num_samples = min(total, max_samples or total)
-        self.stateful = _is_stateful(dataset)
+        self.stateful = is_stateful(dataset)
         self.epoch, self.batches_done = 0, 0
         self._position = 0  # stream items this epoch consumed by all ranks (restored: where the stream resumes)
         self._resuming = False  # a Stateful stream was restored: the next pass continues it
@@ -282,7 +282,7 @@ class ListDataset(Dataset):
         return self.items[index]
 
 
-def _is_stateful(obj: object) -> bool:
+def is_stateful(obj: object) -> bool:
     """torch's ``Stateful`` protocol (``state_dict`` and ``load_state_dict``), checked here:
     importing it would load torch.distributed.checkpoint and DTensor (0.6 s) in every run."""
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))

@@ -80,6 +80,13 @@ class Inputs:
         """Parameters a token uses (a mixture's active share of ``params``)."""
         return self.params if self.shape is None else self.params * self.shape.active_params / self.shape.params
 
+    @property
+    def multiplied_params(self) -> float:
+        """Of those, the ones a token multiplies by (MFU's): less the input lookup tables."""
+        if self.shape is None:
+            return self.params
+        return self.params * (self.shape.active_params - self.shape.lookup_params) / self.shape.params
+
 
 def _positive(*pairs: tuple[str, float]) -> None:
     for flag, value in pairs:
@@ -106,9 +113,8 @@ def _flops(inp: Inputs, tokens: float) -> tuple[float, float, float | None, str]
     if inp.counted_flops_per_sample is not None:
         counted = inp.counted_flops_per_sample * tokens
         return six_nd, counted, counted, "counted FLOPs"
-    if inp.shape is not None:  # scaled like active_params, should --params override the shape's count
-        multiplied = inp.active_params * (1 - inp.shape.lookup_params / inp.shape.active_params)
-        model = flops.training_flops(multiplied, tokens) + flops.attention_flops(inp.shape, tokens)
+    if inp.shape is not None:
+        model = flops.training_flops(inp.multiplied_params, tokens) + flops.attention_flops(inp.shape, tokens)
         return six_nd, model, None, "6ND + attention"
     return six_nd, six_nd, None, "6ND"
 
