@@ -19,7 +19,7 @@ Probes (default trials in brackets):
   100 of 128 for the final save, so the next sync save, async save or the final save fails:
   exit 1, every earlier checkpoint intact; the space freed, the same command resumes and ends
   bit-identical to the uninterrupted run.
-* ``sigkill_async`` [10]: async saves every 4 steps; the launcher and every rank SIGKILLed at
+* ``sigkill_async`` [6]: async saves every 4 steps; the launcher and every rank SIGKILLed at
   once at a random step, mostly while a save is in flight (``.partial-*`` on disk); committed
   checkpoints intact, the restart bit-identical. World size 1 and 2 alternate.
 * ``shard_fuzz`` [200 mutations]: tests/test_fault_suite.py's fuzz (1-8 random bytes of a
@@ -30,6 +30,16 @@ Probes (default trials in brackets):
 * ``crafted_deep`` / ``crafted_dag`` / ``crafted_zip_bomb`` [1 each]: tests/checkpoint/
   test_crafted.py's files planted as the newest checkpoint: ``ckpt verify`` exit 2, then
   ``resume=auto`` skips it with the reason and trains on from the older one (exit 0).
+* ``read_<kind>`` [1 each] (issue 25): tests/checkpoint/test_crafted_reads.py's crafted checkpoints
+  (a FIFO or a symlink to ``/dev/urandom`` as a DCP file, manifests naming ``..`` and absolute
+  paths, a 1 TiB sparse rank file, tensor-file headers 2^50 long, 200,000 deep or with negative
+  dimensions, a 64 GiB tensor in a sparse file, manifests of the wrong types) as the newest
+  checkpoint: ``ckpt verify`` and ``ckpt list --verify`` exit 1 or 2 naming it (not for the
+  64 GiB file, whose hash is bounded but long), then ``resume=auto`` skips it with the reason and
+  trains on from the older one (exit 0, step 8). Each command under a time-out: a hang counts.
+* ``checkpoint_fuzz`` [3000 cases]: tests/checkpoint/test_fuzz_checkpoint.py (manifests, tensor-file
+  headers; DCP metadata a third as many) with that many cases (the suite runs 300), one trial per fuzzer:
+  its property failures are counted as failures, a case past its alarm as a hang.
 * ``two_runs`` [2]: run A is SIGSTOPped at a random step (maybe mid-save) and a second run on
   its run.dir (``hpctrain train``, then ``hpctrain run -n 2``) must exit 2 naming A's pid; A
   then goes on and ends bit-identical, every metrics row there once, every checkpoint intact.
@@ -37,6 +47,50 @@ Probes (default trials in brackets):
   rank alive 5 s later, the restart bit-identical.
 * ``stalled_rank`` [2]: one random rank SIGSTOPped under ``--hang-timeout 3`` (2, then 3
   ranks): exit 4 within hang-timeout + 30 s, that rank named in ``hang-*/summary.txt``.
+
+Issue 25's other classes, each through ``python -m hpctrain`` as a user runs it (the cases are
+those of the tests named, imported from them):
+
+* ``foreign_run_dir`` [1]: tests/test_rundir_safety.py. A run.dir holding another tool's
+  ``config.yaml``, ``model.pt``, ``status.json``, ``metrics.jsonl``, ``checkpoints/best.json`` and
+  ``checkpoints/epoch=3-step=1000.ckpt``, with ``resume=auto`` and with ``run.overwrite=true
+  resume=never``: exit 2 naming what is there, every file byte-identical after (else data lost);
+  ``run.dir=/`` and ``run.dir=~``: exit 2, nothing written there.
+* ``nonfinite`` [1]: tests/train/test_nonfinite.py. ``optim.lr`` of 1e5, 1e6 or 1e8 with a
+  validation each step: exit 1 naming the step and train.nonfinite=stop; every kept checkpoint
+  before that step, intact and finite (its manifest and its tensors), best one of them,
+  status.json "failed". An fp16 loss that overflows every step, under train.nonfinite=stop and
+  skip (patience 3): exit 1 naming the loss scale, with the hint precision=bf16.
+* ``config_fuzz`` [300 cases]: tests/test_config_fuzz.py. The attack's 13 cases first (a 700-byte
+  alias bomb at the top and in optim.kwargs, through ``config show`` and ``train``: exit 2 at once;
+  a non-UTF-8 byte: exit 2 naming it; ``model.name=`id```, ``run.dir=@x``, ``data.path=[x`` and
+  others: exit 0, kept verbatim; ``optim.lr=`x``: exit 2), then its generators' mutated files and
+  random overrides by turns through ``config show``: exit 0, or 2 with one line; never a traceback,
+  never past 60 s.
+* ``shard_crafted`` [1]: tests/data/test_shard_confine.py. A ``.cls`` member declaring 100 GB
+  (``data index`` and ``train``: exit 2 naming it), a negative index range (``data verify`` exit 1,
+  ``train`` 1 or 2, naming the shard), manifests naming ``../outside/train-000000.tar`` and
+  ``../../outside.tar``, both real shards (``data verify``, ``train`` and ``train`` staging under
+  ``$SLURM_TMPDIR``: exit 2 naming the name). An audit hook in the hpctrain process records every
+  ``open`` of the outside files: any is data read outside data.path (counted as lost).
+* ``shard_index_fuzz`` [96 cases]: tests/data/test_shard_fuzz.py's generators by turns: a mutated
+  shard index, a mutated shard manifest (``data verify``; ``train`` on every 4th case but the
+  tars), a tar with one lie (``data index``, ``data verify``); a copy of the shards beside
+  data.path is the bait the mutations name. Exit 0, 1 or 2, at most one error line (exit 2
+  naming a file of data.path), no traceback, no hang, no open of the bait.
+* ``slurm_render`` [1]: tests/launch/test_slurm_mounts_env.py. ``hpctrain slurm --dry-run`` with
+  ``,`` and ``:`` in data.path and --mount (Apptainer and Pyxis) and ``--env MAX_REQUEUES=``,
+  ``SLURM_RESTART_COUNT=``, ``RUN_DIR=``: exit 2 naming the value (and the runtime's option),
+  nothing rendered, nothing written; the same command without them renders (exit 0).
+* ``stalled_in_agreement`` [4]: a rank SIGSTOPped under ``--hang-timeout 8``, outside any save or
+  validation: exit 4 naming it within 8 + 12 s of the stall, judged after under 16 s of silence
+  (the long phases' allowance, 3 x, would be 24 s). Even trials: ``hpctrain train`` (2 ranks,
+  checkpoints off), a random rank stopped at a random step; odd trials: tests/launch/
+  test_hang_phases.py's loop, rank 1 stopping itself right before the preemption agreement.
+* ``killed_rank`` [2]: rank 0, then rank 1, of a 2-rank ``hpctrain train`` SIGKILLed at a random
+  step (tests/launch/test_first_cause.py): exit 1, the survivor's error "rank N ended with signal 9
+  (SIGKILL), so this rank failed too", the launcher's "... first", status.json's error the same;
+  no "internal error"; the checkpoints committed before intact.
 """
 
 from __future__ import annotations
@@ -47,6 +101,7 @@ import json
 import os
 import queue
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -63,17 +118,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hpctrain.checkpoint import layout  # noqa: E402
+from hpctrain.config import key_names  # noqa: E402
+from hpctrain.data.manifest import manifest_path  # noqa: E402
+from hpctrain.rundir import MARKER  # noqa: E402
+from tests import test_config_fuzz as config_fuzz_tests  # noqa: E402
+from tests import test_rundir_safety as rundir_safety  # noqa: E402
 from tests.checkpoint import test_crafted as crafted  # noqa: E402
+from tests.checkpoint import test_crafted_reads as crafted_reads  # noqa: E402
 from tests.checkpoint import test_preempt as preempt  # noqa: E402
 from tests.ckpt_models import SLOW_RUN_ARGS  # noqa: E402
+from tests.data import test_shard_confine as shard_confine  # noqa: E402
+from tests.data import test_shard_fuzz as shard_fuzz_tests  # noqa: E402
 from tests.dist_utils import _descendants, launch_env  # noqa: E402
 from tests.launch import test_hang as hang  # noqa: E402
-from tests.test_fault_suite import TRACEBACK  # noqa: E402
+from tests.launch import test_hang_phases as hang_phases  # noqa: E402
+from tests.launch import test_slurm_mounts_env as slurm_tests  # noqa: E402
+from tests.test_fault_suite import FUZZ_TRAIN, TRACEBACK, make_fuzz_shards  # noqa: E402
+from tests.train import test_nonfinite as nonfinite_tests  # noqa: E402
 
 RUN_TIMEOUT = 300  # s for one hpctrain command: far beyond a healthy one on 2 loaded cores
 HEADROOM = 32 << 10  # what a full disk leaves: the metrics rows fit, no SLOW_RUN_ARGS checkpoint (64 KB) does
 FUZZ_CASE_TIMEOUT = 60  # s for one mutation's verify + train
 KEEP_LAST = 3  # the default checkpoint.keep_last: older committed ones are retention's to delete
+CONFIG_TIMEOUT = 60  # s for one config case (`config show` returns in about a second)
 
 
 # ---------------------------------------------------------------- trials and their counts
@@ -173,12 +240,13 @@ def kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def start(trial: Trial, argv: list[str], log: Path, prefix: list[str] | None = None) -> subprocess.Popen[bytes]:
+def start(trial: Trial, argv: list[str], log: Path, prefix: list[str] | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``python -m hpctrain ARGV`` (or ``PREFIX ARGV``) from the repository root, output to ``log``
-    (a file, not a pipe: nobody reads while it runs)."""
+    (a file, not a pipe: nobody reads while it runs); ``env`` on top of the test environment."""
     cmd = prefix + argv if prefix else [sys.executable, "-m", "hpctrain", *argv]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(**(env or {})), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     trial.procs.append(proc)
     return proc
@@ -198,8 +266,9 @@ def finish(trial: Trial, proc: subprocess.Popen[bytes], log: Path,
     return code, out
 
 
-def run(trial: Trial, argv: list[str], log: Path, prefix: list[str] | None = None) -> tuple[int | None, str]:
-    return finish(trial, start(trial, argv, log, prefix), log)
+def run(trial: Trial, argv: list[str], log: Path, prefix: list[str] | None = None,
+        env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT) -> tuple[int | None, str]:
+    return finish(trial, start(trial, argv, log, prefix, env), log, timeout)
 
 
 def wait_until(ready: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float = RUN_TIMEOUT,
@@ -503,6 +572,50 @@ def crafted_probe(kind: str) -> Callable[[Trial, random.Random, Path, Context], 
     return probe
 
 
+def crafted_read_probe(kind: str) -> Callable[[Trial, random.Random, Path, Context], None]:
+    """tests/checkpoint/test_crafted_reads.py's checkpoint as the newest: named, then skipped."""
+
+    def probe(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+        fmt = crafted_reads.CRAFTED[kind][0]
+        run_dir = work / "run"
+        newest, says = crafted_reads._plant({fmt: ctx.crafted_base(fmt)}, kind, run_dir)
+        (run_dir / "summary.json").unlink()  # as if stopped: resume=auto takes the newest checkpoint
+        if kind != "huge_tensor":  # verify hashes its 64 GiB: bounded, but minutes
+            code, out = run(trial, ["ckpt", "verify", str(newest)], work / "verify.log")
+            trial.expect(code in (1, 2) and says in out, f"ckpt verify exit {code}, reason shown: {says in out}")
+            code, out = run(trial, ["ckpt", "list", "--verify", str(run_dir)], work / "list.log")
+            trial.expect(code in (1, 2), f"ckpt list --verify exit {code}")
+        code, out = run(trial, ["train", *crafted.BASE, f"run.dir={run_dir}", "resume=auto",
+                                f"checkpoint.format={fmt}"], work / "resume.log")
+        if trial.expect(code == 0, f"resume=auto exit {code}: {error_line(out)}"):
+            trial.expect(f"{newest} is corrupt and is skipped" in out and says in out, "not skipped with the reason")
+            steps = json.loads((run_dir / "summary.json").read_text())["steps"]
+            trial.expect(steps == 8, f"ended at step {steps}, not 8")
+
+    return probe
+
+
+def checkpoint_fuzz(cases: int, seed: int, work: Path, tally: Tally) -> None:
+    """Each fuzzer of tests/checkpoint/test_fuzz_checkpoint.py with ``cases`` cases, one trial each."""
+    env = {**launch_env(), "HPCTRAIN_FUZZ_CASES": str(cases), "HPCTRAIN_FUZZ_SEED": str(seed)}
+    for n, name in enumerate(("manifests", "tensor_file_headers", "dcp_metadata")):
+        trial, log = Trial(), work / f"fuzz-{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--tb=line",
+               f"tests/checkpoint/test_fuzz_checkpoint.py::test_fuzz_{name}"]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        trial.procs.append(proc)
+        code, text = finish(trial, proc, log, timeout=RUN_TIMEOUT * 4)
+        trial.hang |= "still running after" in text  # a case past its alarm
+        trial.expect(code == 0 or "still running after" in text, f"{name}: {error_line(text)}")
+        ran = cases // 3 if name == "dcp_metadata" else cases  # the DCP fuzzer runs a third (each case loads)
+        trial.notes.append(f"{name}: {ran} cases, pytest exit {code}")
+        trial.cleanup()
+        tally.add(n, trial)
+
+
 # ---------------------------------------------------------------- two runs, one run.dir
 
 
@@ -588,6 +701,374 @@ def stalled_rank(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> 
     check_kept(trial, before, run_dir)
 
 
+# ---------------------------------------------------------------- a user's files in run.dir (issue 25)
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (None for a folder)."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+FOREIGN = {"config.yaml": b"trainer:\n  max_epochs: 3\nmodel:\n  lr: 0.1\n", "model.pt": b"weights",
+           "status.json": b'{"state": "done"}', "metrics.jsonl": b'{"loss": 1}\n',
+           "checkpoints/best.json": b'{"epoch": 3}', "checkpoints/epoch=3-step=1000.ckpt": b"lightning"}
+
+
+def foreign_run_dir(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """Another tool's run as run.dir: refused (exit 2, naming what is there) under resume=auto
+    and run.overwrite=true resume=never, every file byte for byte as it was; ``/`` and ``~`` refused."""
+    run_dir = work / "lightning"
+    for name, data in FOREIGN.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(data + rng.randbytes(rng.randrange(64)))
+    before = _tree(run_dir)
+    for n, extra in enumerate((["resume=auto"], ["run.overwrite=true", "resume=never"])):
+        code, out = run(trial, ["train", *rundir_safety.TINY, "train.max_steps=2", f"run.dir={run_dir}", *extra],
+                        work / f"foreign-{n}.log")
+        line = error_line(out)
+        trial.expect(code == 2 and "already holds files hpctrain did not write" in line,
+                     f"{' '.join(extra)}: exit {code}: {line}")
+        after = _tree(run_dir)
+        changed = sorted(k for k in {*before, *after} if before.get(k, b"") != after.get(k, b""))
+        if changed:
+            trial.lost.append(f"{' '.join(extra)}: the user's files changed: {changed}")
+    for where, says in (("/", "is a system folder"), ("~", "is your home folder")):
+        real = Path(os.path.expanduser(where))
+        names = {p.name for p in real.iterdir()}
+        code, out = run(trial, ["train", *rundir_safety.TINY, "train.max_steps=1", f"run.dir={where}"],
+                        work / "root.log")
+        line = error_line(out)
+        trial.expect(code == 2 and says in line, f"run.dir={where}: exit {code}: {line}")
+        written = sorted(({p.name for p in real.iterdir()} - names) & {MARKER, *HPCTRAIN_NAMES})
+        if written or (real / MARKER).exists():
+            trial.lost.append(f"run.dir={where}: hpctrain wrote {written or [MARKER]} into {real}")
+
+
+HPCTRAIN_NAMES = {"config.yaml", "status.json", "metrics.jsonl", "summary.json", "checkpoints", "run.lock"}
+
+
+# ---------------------------------------------------------------- non-finite numerics (issue 25)
+
+
+def _finite_weights(ckpt: Path) -> bool:
+    """Every floating-point tensor of a torch-format checkpoint's replicated tensor file is finite."""
+    import torch
+    from safetensors.torch import load_file
+
+    return all(bool(torch.isfinite(t).all()) for t in load_file(ckpt / "replicated.safetensors").values()
+               if t.is_floating_point())
+
+
+def nonfinite(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """optim.lr far too large: exit 1 naming the step, no checkpoint of non-finite weights, none
+    best, the last finite ones kept; an fp16 loss that overflows every step: stopped, with the
+    message (at once under the default, after train.nonfinite_patience skipped steps under skip)."""
+    run_dir, lr = work / "lr", rng.choice(("1e6", "1e5", "1e8"))
+    code, out = run(trial, ["train", *nonfinite_tests.BASE, nonfinite_tests.BN, f"optim.lr={lr}", "train.max_steps=16",
+                            f"run.dir={run_dir}", "checkpoint.every_steps=1", "checkpoint.keep_last=3",
+                            "train.eval_every_steps=1"],  # a validation each step: a best to record
+                    work / "lr.log")
+    line = error_line(out)
+    named = re.search(r"step (\d+): the loss is (nan|inf)", line)
+    trial.expect(code == 1 and named is not None and "train.nonfinite=stop" in line,
+                 f"optim.lr={lr}: exit {code}: {line}")
+    found = intact(run_dir)
+    trial.expect(bool(found), f"optim.lr={lr}: no checkpoint kept (the last finite ones must be)")
+    stop = int(named.group(1)) if named else 0
+    for step, problems in found.items():
+        path = run_dir / "checkpoints" / layout.step_name(step)
+        if problems or not layout.read_manifest(path).get("finite") or not _finite_weights(path):
+            trial.lost.append(f"optim.lr={lr}: checkpoint of step {step} is not intact and finite: {problems}")
+        trial.expect(step < stop, f"optim.lr={lr}: a checkpoint of step {step}, at or after the stop at {stop}")
+    best = layout.best_step(run_dir / "checkpoints")
+    trial.expect(best is None or best in found, f"optim.lr={lr}: best is step {best}, not a kept checkpoint")
+    status = json.loads((run_dir / "status.json").read_text())
+    trial.expect(status.get("outcome") == "failed", f"optim.lr={lr}: status.json says {status.get('outcome')}")
+    trial.notes.append(f"optim.lr={lr}: stopped at step {stop}; kept steps {sorted(found)}, best {best}")
+    for policy in (["train.nonfinite=stop"], ["train.nonfinite=skip", "train.nonfinite_patience=3"]):
+        code, out = run(trial, ["train", *nonfinite_tests.BASE, "precision=fp16", "train.max_steps=6",
+                                "train.loss=tests.train.test_nonfinite:overflow_loss", *policy,
+                                f"run.dir={work / policy[0][-4:]}"], work / "fp16.log")
+        line = error_line(out)
+        trial.expect(code == 1 and "precision=fp16, loss scale" in line and "hint: precision=bf16" in line,
+                     f"fp16 overflow, {' '.join(policy)}: exit {code}: {line}")
+
+
+# ---------------------------------------------------------------- config files and overrides (issue 25)
+
+
+def _config_case(n: int, rng: random.Random, work: Path) -> tuple[list[str], str | None, int | None]:
+    """Case ``n``: (argv, a text the output must hold, the exit code it must have); the attack's
+    cases first, then tests/test_config_fuzz.py's mutated files and random overrides."""
+    bomb, path = config_fuzz_tests._bomb(), work / "case.yaml"
+    kwargs_bomb = b"optim:\n  name: torch.optim:AdamW\n  kwargs:\n" + b"".join(b"    " + x + b"\n"
+                                                                              for x in bomb.splitlines())
+    refused = "aliases (*name) expand to more than 100000 values"
+    attacks: list[tuple[bytes | None, list[str], str | None, int | None]] = [
+        (bomb, ["config", "show"], refused, 2), (bomb, ["train"], refused, 2),
+        (kwargs_bomb, ["config", "show"], refused, 2), (kwargs_bomb, ["train"], refused, 2),
+        (b"model:\n  name: caf\xe9\n", ["config", "show"], "is not UTF-8 text (byte 0xe9 on line 2)", 2),
+        *[(None, ["config", "show", f"{key}={value}"], value, 0) for key, value in
+          (("model.name", "`id`"), ("run.dir", "@x"), ("run.dir", "%x"), ("data.path", "[x"), ("data.path", "{x"),
+           ("model.name", "&a"), ("run.dir", "~"))],
+        (None, ["config", "show", "optim.lr=`x"], "override optim.lr='`x' is not valid YAML", 2),
+    ]
+    if n < len(attacks):
+        data, argv, says, code = attacks[n]
+        if data is not None:
+            path.write_bytes(data)
+            argv = [*argv, str(path)]
+        return argv, says, code
+    if n % 2:
+        path.write_bytes(config_fuzz_tests._mutated(rng))
+        return ["config", "show", str(path)], None, None
+    keys = [f"{section}.{k}" if section else k for section, names in key_names().items() for k in names]
+    keys += ["optim.kwargs.eps", "nope.x", "model..name", "model.name.x", ".", ""]
+    parts = config_fuzz_tests.VALUE_PARTS
+    return ["config", "show", *[f"{rng.choice(keys)}={''.join(rng.choices(parts, k=rng.randint(1, 3)))}"
+                                for _ in range(rng.randint(1, 3))]], None, None
+
+
+def config_fuzz(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """One config case through ``hpctrain``: exit 0, or 2 with one line; never a traceback or a hang."""
+    argv, says, want = _config_case(ctx.index, rng, work)
+    code, out = run(trial, argv, work / "config.log", timeout=CONFIG_TIMEOUT)
+    case = " ".join(argv)[:120]
+    lines = out.strip().splitlines()
+    if trial.expect(code in (0, 2), f"{case!r}: exit {code}: {error_line(out)}") and code == 2:
+        trial.expect(len(lines) == 1 and ": error: " in lines[0], f"{case!r}: exit 2 with {len(lines)} lines")
+    trial.expect("internal error" not in out, f"{case!r}: {error_line(out)}")
+    if want is not None:
+        trial.expect(code == want and says is not None and says in out, f"{case!r}: exit {code}: {error_line(out)}")
+
+
+# ---------------------------------------------------------------- crafted shards (issue 25)
+
+
+# `hpctrain ARGV` with an audit hook that appends to argv[1] each path opened at or under argv[2]
+# (the bait outside data.path); os.open with a dir_fd is judged by its name alone.
+AUDIT = """import os, runpy, sys
+log, bait = sys.argv[1], os.path.realpath(sys.argv[2])
+def hook(event, args):
+    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.path.realpath(os.fsdecode(args[0]))
+        if path == bait or path.startswith(bait + os.sep):
+            with open(log, "a") as fh:
+                fh.write(path + "\\n")
+sys.addaudithook(hook)
+sys.argv = ["hpctrain", *sys.argv[3:]]
+runpy.run_module("hpctrain", run_name="__main__", alter_sys=True)
+"""
+SHARD_TRAIN = [*FUZZ_TRAIN, "train.max_steps=2", "data.num_workers=0"]
+
+
+def audited(trial: Trial, argv: list[str], work: Path, bait: Path, name: str,
+            env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """``hpctrain ARGV``, every open of ``bait`` (or under it) counted as data read outside."""
+    reads = work / f"{name}.outside"
+    code, out = run(trial, argv, work / f"{name}.log", [sys.executable, "-c", AUDIT, str(reads), str(bait)], env)
+    if reads.exists():
+        trial.lost.append(f"{name}: read outside data.path: {sorted(set(reads.read_text().split()))[:3]}")
+    return code, out
+
+
+def shard_crafted(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """tests/data/test_shard_confine.py's crafted shards through ``hpctrain data`` and ``hpctrain
+    train``: a .cls member declaring 100 GB, a negative index range, manifests naming
+    ``../outside/train-000000.tar`` and ``../../outside.tar``: exit 1 or 2 naming the file."""
+    big = work / "big"
+    big.mkdir()
+    shard_confine._tar_with_member(big / "train-0.tar", 100 * 2**30)
+    train = ["train", *SHARD_TRAIN, "model.name=tests.user_models:tiny_mlp"]
+    for name, argv in (("index", ["data", "index", str(big), "--split", "train"]),
+                       ("train", [*train, f"data.path={big}", f"run.dir={work / 'run-big'}"])):
+        code, out = run(trial, argv, work / f"big-{name}.log")
+        line = error_line(out)
+        trial.expect(code == 2 and "train-0.tar" in line and "107374182400" in line,
+                     f"100 GB member, {name}: exit {code}: {line}")
+    neg = work / "neg"
+    shard_confine._write(neg)
+    shard = rng.choice(("train-000000", "train-000001"))
+    index = json.loads((neg / f"{shard}.idx.json").read_text())
+    index["start"][1], index["end"][1] = index["end"][1], index["start"][1]
+    (neg / f"{shard}.idx.json").write_text(json.dumps(index))
+    for name, argv, codes in (("verify", ["data", "verify", str(neg)], (1,)),
+                              ("train", [*train, f"data.path={neg}", f"run.dir={work / 'run-neg'}"], (1, 2))):
+        code, out = run(trial, argv, work / f"neg-{name}.log")
+        trial.expect(code in codes and f"{shard}." in out and "ends before it starts" in out,
+                     f"negative range in {shard}, {name}: exit {code}: {error_line(out)}")
+    data = work / "site" / "data"
+    shard_confine._write(data.parent / "outside")  # the bait: valid shards where ../outside/ points
+    shutil.copyfile(data.parent / "outside" / "train-000000.tar", work / "outside.tar")  # and ../../outside.tar
+    shard_confine._write(data)
+    (data / "train-000000.tar").unlink()
+    pristine = json.loads(manifest_path(data, "train").read_text())
+    stage = work / "slurm-tmp"
+    stage.mkdir()
+    staged = [a for a in train if a != "data.stage_dir=off"]  # under $SLURM_TMPDIR staging reads it first
+    for outside, bait in (("../outside/train-000000.tar", data.parent / "outside"),
+                          ("../../outside.tar", work / "outside.tar")):
+        pristine["shards"][0]["name"] = outside
+        manifest_path(data, "train").write_text(json.dumps(pristine))
+        for name, argv, env in (("verify", ["data", "verify", str(data)], None),
+                                ("train", [*train, f"data.path={data}", f"run.dir={work / 'run-out'}"], None),
+                                ("train-staged", [*staged, f"data.path={data}", f"run.dir={work / 'run-out'}"],
+                                 {"SLURM_TMPDIR": str(stage)})):
+            code, out = audited(trial, argv, work, bait, f"{bait.name}-{name}", env)
+            trial.expect(code == 2 and outside in out, f"manifest naming {outside}, {name}: exit {code}: "
+                                                       f"{error_line(out)}")
+
+
+def shard_index_fuzz(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """One case of tests/data/test_shard_fuzz.py's generators (a mutated shard index, a mutated
+    shard manifest, or a tar with one lie, in turn) through ``hpctrain data index``/``verify``
+    (every case) and ``hpctrain train`` (every 4th case, not the tars): exit 0, 1 or 2, one
+    error line, no traceback, no hang, nothing opened outside data.path (the bait beside it)."""
+    kind = ("index", "manifest", "tar")[ctx.index % 3]
+    data, bait = work / "data", work / "outside"
+    commands: list[tuple[str, list[str]]] = []
+    if kind == "tar":
+        data.mkdir()
+        (data / "train-000000.tar").write_bytes(shard_fuzz_tests._fuzzed_tar(rng))
+        bait.mkdir()
+        commands.append(("index", ["data", "index", str(data), "--split", "train"]))
+    else:
+        make_fuzz_shards(data)
+        shutil.copytree(data, bait)  # what ../outside/... in a mutation names
+        target = data / "train-000001.idx.json" if kind == "index" else manifest_path(data, "train")
+        target.write_bytes(shard_fuzz_tests._mutate_json(json.loads(target.read_text()), rng))
+    commands.append(("verify", ["data", "verify", str(data)]))
+    if kind != "tar" and ctx.index % 4 == 0:
+        commands.append(("train", ["train", *SHARD_TRAIN, f"data.path={data}", f"run.dir={work / 'run'}"]))
+    for name, argv in commands:
+        code, out = audited(trial, argv, work, bait, name)
+        errors = [line for line in out.splitlines() if ": error: " in line]
+        trial.expect(code in (0, 1, 2) and len(errors) <= 1 and "internal error" not in out,
+                     f"{kind} case, {name}: exit {code}, {len(errors)} error lines: {error_line(out)}")
+        if code == 2:
+            trial.expect(str(data) in error_line(out), f"{kind} case, {name}: exit 2 naming no file of "
+                                                       f"{data}: {error_line(out)}")
+    trial.notes.append(f"{kind}: exit codes {trial.codes}")
+
+
+# ---------------------------------------------------------------- rendered Slurm jobs (issue 25)
+
+
+SLURM_TIME = ["--nodes", "1", "--time", "10", "--cpus-per-task", "1"]
+
+
+def slurm_render(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """``hpctrain slurm --dry-run`` with ``,`` and ``:`` in data.path and --mount (Apptainer and
+    Pyxis) and --env replacing the script's own variables: exit 2 naming the value, nothing
+    rendered, nothing written; the same command without them renders (exit 0)."""
+    config = ["data.name=synthetic_tiny", f"run.dir={work / 'runs' / 'x'}"]
+    cases: list[tuple[list[str], list[str]]] = []  # (options, what the error must say)
+    for runtime, (image, option) in slurm_tests.RUNTIMES.items():
+        container = ["--container", image, "--container-runtime", runtime]
+        cases += [(["data.path=/data/x,/root/.ssh:/data/x", *container],
+                   ["data.path '/data/x,/root/.ssh:/data/x' holds ',' and ':'", option]),
+                  (["--mount", "/scratch/a,/etc", *container],
+                   ["--mount /scratch/a,/etc '/scratch/a,/etc' holds ','", option]),
+                  (["--mount", "/scratch/a:/etc", *container], ["'/scratch/a:/etc' holds ':'", option])]
+    cases += [(["--env", "MAX_REQUEUES=99"], ["would replace the job script's own MAX_REQUEUES"]),
+              (["--env", "SLURM_RESTART_COUNT=0"], ["SLURM_RESTART_COUNT=... is refused: Slurm sets it for the job"]),
+              (["--env", f"RUN_DIR=/tmp/elsewhere-{rng.randrange(1000)}"], ["own RUN_DIR; hint: set it with run.dir="])]
+    code, out = run(trial, ["slurm", *config, *SLURM_TIME, "--dry-run"], work / "plain.log")
+    trial.expect(code == 0 and "#SBATCH" in out, f"the plain render: exit {code}: {error_line(out)}")
+    for n, (argv, says) in enumerate(cases):
+        code, out = run(trial, ["slurm", *config, *argv, *SLURM_TIME, "--dry-run"], work / f"slurm-{n}.log")
+        named = all(text in out for text in says)
+        trial.expect(code == 2 and named and "#SBATCH" not in out,
+                     f"{' '.join(argv)}: exit {code}, named: {named}: {error_line(out)}")
+    trial.expect(not (work / "runs").exists(), "a dry run wrote into run.dir")
+
+
+# ---------------------------------------------------------------- the hang bound, first causes (issue 25)
+
+
+STALL_S = 8  # --hang-timeout of the bound probe: 3 x it (the long phases' allowance) is 24 s
+STALL_MARGIN = 12  # s from the judgement to the exit (stack dumps, teardown) on 2 loaded cores: under 3 x STALL_S
+
+
+def stalled_in_agreement(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """A rank SIGSTOPped under --hang-timeout STALL_S outside any save or validation: exit 4 naming
+    it, judged at the plain timeout (not 3 x). Even trials: `hpctrain train` (2 ranks, no
+    checkpoints), stopped at a random moment of a random step; odd trials: tests/launch/
+    test_hang_phases.py's loop, rank 1 stopping itself right before the preemption agreement."""
+    run_dir, stopped = work / "run", rng.randrange(2)
+    options = ["run", "-n", "2", f"--hang-timeout={STALL_S}"]
+    if ctx.index % 2:
+        stopped, at = 1, rng.randint(3, 30)
+        program = work / "agreement.py"
+        program.write_text(hang_phases.AGREEMENT.replace("step == 5", f"step == {at}"))
+        proc = start(trial, [*options, f"--run-dir={run_dir}", str(program)], work / "stalled.log")
+        if not trial.expect(wait_until(lambda: _stopped(proc.pid, stopped) is not None, proc, poll=0.05),
+                            "rank 1 never stopped"):
+            finish(trial, proc, work / "stalled.log")
+            return
+        trial.watch(_stopped(proc.pid, stopped) or 0)
+    else:
+        at = rng.randint(3, 20)
+        proc = start(trial, [*options, "train", *hang.TINY, "model.name=tests.user_models:slow_mlp",
+                             "checkpoint.enabled=false", f"run.dir={run_dir}"], work / "stalled.log")
+        if not trial.expect(wait_until(lambda: preempt._last_step(run_dir) >= at, proc), f"never reached step {at}"):
+            finish(trial, proc, work / "stalled.log")
+            return
+        time.sleep(rng.uniform(0, 0.05))  # anywhere in the step
+        os.kill(trial.watch(hang._rank_pid(proc.pid, stopped)), signal.SIGSTOP)
+    stalled_at = time.monotonic()
+    code, out = finish(trial, proc, work / "stalled.log", timeout=STALL_S * 3 + 120)
+    took = time.monotonic() - stalled_at
+    summaries = sorted(run_dir.glob("hang-*/summary.txt"))
+    said = summaries[0].read_text().strip() if summaries else "(no hang-*/summary.txt)"
+    silence = re.search(r"made no progress for (\d+) s", said)
+    trial.expect(code == 4 and f"hang: rank {stopped} " in said, f"exit {code}, rank {stopped} stopped; the report "
+                                                                 f"says: {said[:300]}")
+    trial.expect(took < STALL_S + STALL_MARGIN, f"ended {took:.0f} s after the stall (bound {STALL_S + STALL_MARGIN} "
+                                                f"s; 3 x the timeout is {3 * STALL_S} s)")
+    trial.expect(silence is not None and int(silence.group(1)) < 2 * STALL_S, f"judged after {silence and silence[1]} "
+                                                                             f"s of silence, not ~{STALL_S} s")
+    doing = re.search(r"after step (\d+), in ([^;(]*)", said)
+    trial.notes.append(f"{'agreement loop' if ctx.index % 2 else 'train'}: rank {stopped} stopped "
+                       f"{f'after step {doing[1]}, in {doing[2].strip()}' if doing else '(no phase reported)'}: "
+                       f"exit {code} after {took:.0f} s, judged after {silence and silence[1]} s of silence")
+
+
+def _stopped(launcher: int, rank: int) -> int | None:
+    """The pid of rank ``rank`` under ``launcher`` once it is stopped (state T), else None."""
+    for pid in preempt._workers(launcher):
+        with contextlib.suppress(OSError):
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                return pid if state == "T" else None
+    return None
+
+
+def killed_rank(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """A rank of a 2-rank run SIGKILLed at a random step: the survivor names it ("rank N ended with
+    signal 9"), the launcher says it was first, status.json records it; no "internal error"."""
+    run_dir, killed, at = work / "run", ctx.index % 2, rng.randint(3, 20)
+    proc = start(trial, ["run", "-n", "2", "--hang-timeout=0", "train", *hang.TINY,
+                         "model.name=tests.user_models:slow_mlp", f"run.dir={run_dir}"], work / "killed.log")
+    if not trial.expect(wait_until(lambda: preempt._last_step(run_dir) >= at, proc), f"never reached step {at}"):
+        finish(trial, proc, work / "killed.log")
+        return
+    before = intact(run_dir)
+    os.kill(trial.watch(hang._rank_pid(proc.pid, killed)), signal.SIGKILL)
+    code, out = finish(trial, proc, work / "killed.log")
+    cause = f"rank {killed} ended with signal 9 (SIGKILL)"
+    trial.expect(code == 1, f"exit {code}, not 1: {error_line(out)}")
+    trial.expect(f"hpctrain train: error: {cause}, so this rank failed too" in out, f"the survivor says: "
+                                                                                    f"{error_line(out)}")
+    trial.expect("internal error" not in out and "This is a bug" not in out, "an internal error reported")
+    trial.expect(f"hpctrain run: hpctrain failed: {cause} first" in out, "the launcher does not name the first cause")
+    status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").is_file() else {}
+    trial.expect(status.get("outcome") == "failed" and str(status.get("error", "")).startswith(cause),
+                 f"status.json: {status.get('outcome')}: {str(status.get('error'))[:120]}")
+    check_kept(trial, before, run_dir)
+    trial.notes.append(f"rank {killed} killed after step {at}: exit {code}")
+
+
 # ---------------------------------------------------------------- the suite
 
 
@@ -599,17 +1080,19 @@ class Context:
     disk: str
     reference: References
     index: int = 0
-    _base: Path | None = None
+    _bases: dict[str, Path] = field(default_factory=dict)
 
-    def crafted_base(self) -> Path:
-        """A finished run with checkpoints at steps 4 and 8 (test_crafted.py's BASE), trained once."""
-        if self._base is None:
-            path, trial = self.work / "crafted-base", Trial()
-            code, out = run(trial, ["train", *crafted.BASE, f"run.dir={path}"], self.work / "crafted-base.log")
+    def crafted_base(self, fmt: str = "torch") -> Path:
+        """A finished run with checkpoints at steps 4 and 8 (test_crafted.py's BASE) in checkpoint.format
+        ``fmt``, trained once."""
+        if fmt not in self._bases:
+            path, trial = self.work / f"crafted-base-{fmt}", Trial()
+            code, out = run(trial, ["train", *crafted.BASE, f"run.dir={path}", f"checkpoint.format={fmt}"],
+                            self.work / f"crafted-base-{fmt}.log")
             if code != 0:
                 raise RuntimeError(f"the crafted probes' base run failed ({code}):\n{out[-3000:]}")
-            self._base = path
-        return self._base
+            self._bases[fmt] = path
+        return self._bases[fmt]
 
 
 Probe = Callable[[Trial, random.Random, Path, Context], None]
@@ -617,13 +1100,26 @@ PROBES: dict[str, tuple[int, Probe | None]] = {
     "disk_full_sync": (1, disk_full("sync")),
     "disk_full_async": (1, disk_full("async")),
     "disk_full_final": (1, disk_full("final")),
-    "sigkill_async": (10, sigkill_async),
+    "sigkill_async": (6, sigkill_async),  # 10 before issue 25's probes: the whole default run stays in 15 min
     "shard_fuzz": (200, None),  # its own loop: one worker process for many mutations
     **{f"crafted_{kind.replace('-', '_')}": (1, crafted_probe(kind)) for kind in crafted.CRAFTED},
+    **{f"read_{kind}": (1, crafted_read_probe(kind)) for kind in crafted_reads.CRAFTED},
+    "checkpoint_fuzz": (3000, None),  # its own loop: one pytest run per fuzzer
     "two_runs": (2, two_runs),
     "launcher_kill": (2, launcher_kill),
     "stalled_rank": (2, stalled_rank),
+    "foreign_run_dir": (1, foreign_run_dir),
+    "nonfinite": (1, nonfinite),
+    "config_fuzz": (300, config_fuzz),  # the 13 attack cases, then 287 fuzzed
+    "shard_crafted": (1, shard_crafted),
+    "shard_index_fuzz": (96, shard_index_fuzz),
+    "slurm_render": (1, slurm_render),
+    "stalled_in_agreement": (4, stalled_in_agreement),
+    "killed_rank": (2, killed_rank),
 }
+
+
+FUZZ_PROBES = {"config_fuzz", "shard_index_fuzz"}  # a trial per case: only the ones that went wrong are printed
 
 
 def run_probe(name: str, trials: int, seed: int, ctx: Context) -> Tally:
@@ -631,7 +1127,9 @@ def run_probe(name: str, trials: int, seed: int, ctx: Context) -> Tally:
     scratch = ctx.work / name
     if name == "shard_fuzz":
         shard_fuzz(trials, seed, scratch, tally)
-    for n in range(trials if name != "shard_fuzz" else 0):
+    if name == "checkpoint_fuzz":
+        checkpoint_fuzz(trials, seed, scratch, tally)
+    for n in range(trials if PROBES[name][1] is not None else 0):
         trial, work = Trial(), scratch / f"trial-{n}"
         work.mkdir(parents=True)
         ctx.index = n
@@ -643,8 +1141,9 @@ def run_probe(name: str, trials: int, seed: int, ctx: Context) -> Tally:
             trial.cleanup()
         tally.add(n, trial)
         shutil.rmtree(work, ignore_errors=True)
-        print(f"  {name} trial {n}: codes {trial.codes}"
-              + "".join(f"; {text}" for text in [*trial.lost, *trial.failed, *trial.notes]), flush=True)
+        if name not in FUZZ_PROBES or trial.lost or trial.failed or trial.hang or trial.traceback:
+            print(f"  {name} trial {n}: codes {trial.codes}"
+                  + "".join(f"; {text}" for text in [*trial.lost, *trial.failed, *trial.notes]), flush=True)
     tally.seconds = time.monotonic() - began
     return tally
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpctrain.env import detect, started_a_group
-from hpctrain.errors import EXIT_RUN_FAILED, IO_ERRNOS, HpctrainError, io_error
+from hpctrain.errors import EXIT_RUN_FAILED, IO_ERRNOS, HpctrainError, io_error, user_code_error
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
@@ -58,7 +58,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     start_rank()  # a rank of torchrun / `hpctrain run` ends with its launcher and beats for its watchdog
 
-    return exit_code(train(cfg).get("outcome"))  # 3 = preempted: requeue
+    try:
+        summary = train(cfg)
+    except Exception as err:
+        # the user's forward or loss failing on a batch is bad input (exit 2, naming the key), not our bug
+        known = user_code_error(err, cfg.model.name, cfg.train.loss)
+        if known is None:
+            raise
+        raise known from err
+    return exit_code(summary.get("outcome"))  # 3 = preempted: requeue
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -170,8 +178,9 @@ def _setup_logging() -> None:
         is_main = detect().is_main
     except RuntimeError:
         is_main = True
-    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
-                        format="%(asctime)s hpctrain %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    from hpctrain.telemetry.loggers import configure_logging  # hpctrain's lines, not other libraries' import noise
+
+    configure_logging(is_main)
 
 
 def main(argv: list[str] | None = None) -> int:

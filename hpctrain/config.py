@@ -102,16 +102,100 @@ def _check_fp8(cfg: Config) -> None:
                           "own tensor-parallel styles); hint: parallel.tp=1, or precision=bf16")
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a config is a few kB; a bigger file is a mistake (a data file, a dump)
+MAX_YAML_VALUES = 100_000  # values after expanding aliases: a 700-byte alias bomb expands to billions
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (hint: pass a YAML file or only key=value overrides)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} is {size} bytes, more than a config holds ({MAX_CONFIG_BYTES}); "
+                              "hint: is it the right file?")
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}; hint: check the path and its "
+                          "permissions") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{data[err.start]:02x} on line {line}); "
+                          "hint: save it as UTF-8") from None
+    loaded = safe_yaml(text, f"config file {path}") or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+    return loaded
+
+
+def safe_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` with aliases bounded: the document's values are counted as if every
+    alias were expanded (what building the config, ``config show`` and a checkpoint's copy of
+    it do), and more than :data:`MAX_YAML_VALUES`, or an alias inside itself, is refused
+    before anything is built. Any YAML error is one line naming ``where``, line and column."""
+    try:
+        loader = yaml.SafeLoader(text)  # checks the characters first: control characters are refused here
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
-    return data
+        raise ConfigError(f"{where} is not valid YAML: {' '.join(str(err).split())}") from None
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expanded_size(node, where)
+        try:
+            return loader.construct_document(node)
+        # a tag's value (!!float x, 5000 digits, a month 99) or PyYAML's own slip on one (an AttributeError
+        # from its timestamp constructor): the safe loader builds only plain data, so any of these is the input's
+        except (ValueError, TypeError, OverflowError, AttributeError, KeyError, IndexError) as err:
+            raise ConfigError(f"{where}: a value YAML cannot build ({' '.join(str(err).split())}); hint: quote it to "
+                              "keep it as text") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(err.problem or err.context or "syntax error").split())
+        raise ConfigError(f"{where} is not valid YAML: {problem}{at}; hint: quote text that starts with one of "
+                          "YAML's indicators (` @ % [ { & * ! | > ' \" #)") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where} is not valid YAML: {' '.join(str(err).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} nests too deeply to be a config; hint: is it the right file?") from None
+    finally:
+        loader.dispose()
+
+
+def _check_expanded_size(root: yaml.Node, where: str) -> None:
+    """Count the values of ``root`` with every alias expanded, by memo (each node once), without
+    expanding anything; refuse a cycle (``&a [*a]``) and a count above the bound."""
+    size: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    open_nodes: set[int] = set()
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in size:
+            continue
+        children = _children(node)
+        if children_done:
+            open_nodes.discard(id(node))
+            size[id(node)] = 1 + sum(size[id(c)] for c in children)
+            if size[id(node)] > MAX_YAML_VALUES:
+                raise ConfigError(f"{where}: its aliases (*name) expand to more than {MAX_YAML_VALUES} values (a "
+                                  "YAML alias bomb?); hint: write the values out, or use fewer aliases")
+            continue
+        if id(node) in open_nodes:
+            raise ConfigError(f"{where}: an alias refers to a value that contains it (a cycle); hint: remove it")
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in size)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
 
 
 class _RawText(str):
@@ -126,11 +210,27 @@ def _split_override(item: str) -> tuple[str, Any]:
     return key.strip(), _RawText(text)
 
 
-def _interpret(text: _RawText, hint: Any) -> Any:
-    parsed = yaml.safe_load(text) if text.strip() else None
+def _interpret(text: _RawText, hint: Any, key: str) -> Any:
+    """The override's value as YAML reads it, except where the field takes text: there the text
+    is kept verbatim unless YAML reads a list, a mapping or null. Text YAML cannot read (`id`,
+    @x, %x, [x) is kept verbatim where text is allowed (``hint`` None: a free mapping's value),
+    else it is one line of error naming the key."""
+    takes_text = hint is None or _accepts_text(hint, str(text))
+    try:
+        parsed = safe_yaml(text, f"override {key}={str(text)!r}") if text.strip() else None
+    except ConfigError:
+        if takes_text:
+            return str(text)
+        raise
+    if parsed is None and takes_text and hint is not None and not _accepts_none(hint):
+        return str(text)  # run.dir=~ is the home folder's sign, not YAML's null, where None is not allowed
     if parsed is None or isinstance(parsed, (list, dict)):
         return parsed
-    return str(text) if _accepts_text(hint, str(text)) else parsed
+    return str(text) if hint is not None and takes_text else parsed
+
+
+def _accepts_none(hint: Any) -> bool:
+    return get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint)
 
 
 def _accepts_text(hint: Any, text: str) -> bool:
@@ -178,7 +278,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     if isinstance(value, _RawText):
-        value = _interpret(value, hint)
+        value = _interpret(value, hint, key)
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
@@ -193,7 +293,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r} must be a mapping (example: {key}.NAME=VALUE, or {key}: {{NAME: VALUE}} "
                               "in YAML)")
-        return {str(k): _free_value(_interpret(v, None) if isinstance(v, _RawText) else v) for k, v in value.items()}
+        return {str(k): _free_value(_interpret(v, None, f"{key}.{k}") if isinstance(v, _RawText) else v)
+                for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r} must be a list (example: {key}=[0.9,0.999])")
@@ -266,6 +367,50 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+# The prose after the generated tables of docs/config.md: what the loading refuses, and why.
+REFUSED = '''
+## What is refused, and why
+
+**The run directory.** hpctrain writes only into a folder it creates, an empty folder, or a run
+directory of its own: one holding its marker `.hpctrain-run.json` (written first, listing the
+names hpctrain writes there). A folder with anything else in it is refused with exit 2, naming
+what is there (`run.dir runs/x already holds files hpctrain did not write (checkpoints/,
+config.yaml, model.pt, ...)`), even with `run.overwrite=true`: name a subfolder
+(`run.dir=runs/x/run1`). Another tool's run holds the same names (`config.yaml`, `model.pt`,
+`checkpoints/`), so names alone never make a folder hpctrain's. A run directory of an older
+hpctrain (no marker) is recognised by its contents: a `config.yaml` with hpctrain's sections
+(`model`, `data`, `train`, `optim`, `run`, `checkpoint`) and a `status.json` with hpctrain's
+`outcome` and `time`, or the batch script `hpctrain slurm` wrote; it resumes as before and gets
+the marker.
+
+- `run.overwrite=true` replaces the previous run: it removes the outputs the marker lists
+  (`summary.json`, `model.pt`, `metrics.jsonl`, `tensorboard/`, `profile/`, ...) and hpctrain's
+  own entries of `checkpoints/` (`step-N`, `best.json`); a file hpctrain did not write
+  (`checkpoints/epoch=3-step=1000.ckpt`, your notes) stays, byte for byte.
+- `/`, the home folder (and the folders above it), and system folders (`/usr`, `/etc`, `/bin`,
+  `/var`, `/tmp` itself, `/home`, anything under `/proc`, `/sys`, `/dev`, ...) are refused: a run
+  there would write beside files that are not its own.
+- `~` and environment variables are expanded (`run.dir=~/runs/a`, `run.dir=$SCRATCH/runs/{model.name}`);
+  a variable that is not set is an error (exit 2), never a folder named `$SCRATCH`.
+- A finished run (`summary.json`) is refused unless a larger `train.max_steps` or
+  `train.epochs` than its config held asks for more steps than it ran: then it continues from
+  its last checkpoint (the same command with the larger value, at any world size; the LR
+  schedule is recomputed for the new length and logged). See [own-code.md](own-code.md#extending-a-finished-run).
+
+**YAML.** A config file is read as UTF-8 (another encoding: exit 2 naming the file, the byte and
+its line) of at most 16 MiB. Aliases (`*name`) are allowed, but a document whose values, with
+every alias expanded, exceed 100,000 (a "billion laughs" bomb of 700 bytes expands to 387
+million) or whose alias refers to itself is refused with exit 2 before anything is built: the
+config is expanded when it is shown, checked and saved into every checkpoint. A syntax error
+is one line with its line and column.
+
+**Overrides.** `key=value` is read as YAML only where the key's type needs it. A text key keeps
+what you typed: ``model.name=`id` ``, `run.dir=@x`, `run.dir=%x`, `data.path=[x`, `run.dir=~`
+are those strings (a value YAML reads as a list, a mapping or null stays one where the key
+allows it). A number or a switch YAML cannot read (``optim.lr=`x``) is exit 2 with one line.
+'''
+
+
 def reference_markdown(section: str | None = None) -> str:
     """The config reference, generated from the field docs (docs/config.md); ``section``
     (``optim``, ``data``, ...): that section's table alone (``hpctrain config doc optim``)."""
@@ -274,7 +419,7 @@ def reference_markdown(section: str | None = None) -> str:
     lines = ["# Configuration reference", "",
              "Generated by `hpctrain config doc`. Set keys in a YAML file or as `key=value` overrides.", ""]
     lines += _section_rows(Config, "")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + REFUSED
 
 
 def config_sections() -> dict[str, type]:

@@ -135,3 +135,74 @@ def describe(error: BaseException) -> str:
 
 def _exit_code(error: BaseException) -> int:
     return error.exit_code if isinstance(error, HpctrainError) else EXIT_RUN_FAILED
+
+
+class UserCodeError(UserError):
+    """The user's model (``model.name``) or loss (``train.loss``) raised while it ran. Exit code 2."""
+
+
+def user_code_error(error: BaseException, model_name: str | None, loss_name: str | None) -> UserCodeError | None:
+    """``error`` as a one-line :class:`UserCodeError` naming ``model.name`` or ``train.loss`` when the
+    code hpctrain called last (outside torch and the standard library) is the user's: a module's
+    ``forward`` that torch's ``Module.__call__`` entered, or the module of ``train.loss``. None when
+    the innermost such frame is hpctrain's own (a bug in hpctrain, reported as one) or the code is
+    neither (a collate, a metric: not this rule's to name)."""
+    frames = _frames(error)
+    ours = [i for i, (path, _, _) in enumerate(frames) if _in_package(path, "hpctrain")]
+    if not ours or _in_package(frames[-1][0], "hpctrain"):
+        return None
+    inner = frames[ours[-1] + 1:]  # what hpctrain's last frame called
+    user = [f for f in inner if not _library(f[0])]
+    if not user:
+        return None
+    key = _culprit(user[0][2], inner, model_name, loss_name)
+    if key is None:
+        return None
+    text = str(error).strip().splitlines()
+    path, line, _ = user[-1]
+    return UserCodeError(f"{key[0]}={key[1]!r} raised {type(error).__name__}: {text[0] if text else ''} "
+                         f"(at {path}:{line}); hint: this is the model's or loss's own code failing on a batch, "
+                         "not hpctrain's: fix it there")
+
+
+def _culprit(module: str, inner: list[tuple[str, int, str]], model_name: str | None,
+             loss_name: str | None) -> tuple[str, str] | None:
+    """(key, value) of the user code hpctrain entered: train.loss when its module was entered (a
+    loss in the model's own module only when no nn.Module call led there), model.name when
+    torch's ``Module.__call__`` led there (a forward)."""
+    module_call = any(_in_package(path, "torch") and path.endswith("module.py") for path, _, _ in inner)
+    model_module = (model_name or "").partition(":")[0]
+    if loss_name and module == loss_name.partition(":")[0] and not (module_call and module == model_module):
+        return "train.loss", loss_name
+    if model_name and module_call:
+        return "model.name", model_name
+    return None
+
+
+def _frames(error: BaseException) -> list[tuple[str, int, str]]:
+    """(file, line, module) of every frame of ``error``'s traceback, outermost first."""
+    out, tb = [], error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        out.append((frame.f_code.co_filename, tb.tb_lineno, str(frame.f_globals.get("__name__", ""))))
+        tb = tb.tb_next
+    return out
+
+
+def _in_package(path: str, package: str) -> bool:
+    import sys
+
+    mod = sys.modules.get(package)
+    root = os.path.dirname(getattr(mod, "__file__", None) or "") if mod else ""
+    return bool(root) and os.path.abspath(path).startswith(root + os.sep)
+
+
+def _library(path: str) -> bool:
+    """torch's or the standard library's code: never the culprit this rule names."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    full = os.path.abspath(path)
+    installed = any(full.startswith(paths[k] + os.sep) for k in ("purelib", "platlib"))  # transformers: a model's
+    return (_in_package(path, "torch") or path.startswith("<")
+            or (full.startswith(paths["stdlib"] + os.sep) and not installed))

@@ -10,12 +10,15 @@ where it is faster than bf16, and refuses anything else before the model is buil
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from hpctrain.errors import UserError
+from hpctrain.errors import RunError, UserError
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: bf16 outside the linears
 MODES = ("fp32", "bf16", "fp16", "fp8")
@@ -116,3 +119,131 @@ def to_float8(model: nn.Module) -> nn.Module:
     ``Float8Linear`` (same parameters and state-dict keys, so checkpoints and export are unchanged)."""
     float8 = _import_torchao()
     return float8.convert_to_float8_training(model, module_filter_fn=fp8_eligible)  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------- non-finite steps
+
+
+class NonFiniteError(RunError):
+    """The run ended on non-finite numerics (train.nonfinite): exit 1, one line."""
+
+
+def local_max_abs(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude of this rank's part of ``tensors``, on their device (no host sync):
+    nan or inf exactly when one element is. A max, not an L2 norm: huge but finite values do not
+    overflow it. DTensors count by their local shard; the caller reduces over ranks."""
+    from hpctrain.parallel.wrappers import is_dtensor
+
+    local = [t.to_local() if is_dtensor(t) else t for t in tensors]
+    if not local:
+        return torch.zeros(())
+    # torch's fused per-tensor norms (clip_grad_norm_'s own; get_total_norm's grouping costs 2x on small models)
+    with torch.no_grad():  # parameters too (the checkpoint's check): no graph
+        norms = torch._foreach_norm(local, math.inf)
+    device = norms[0].device
+    return torch.stack([n if n.device == device else n.to(device) for n in norms]).max().float()
+
+
+@dataclass
+class NumericsWatch:
+    """Judges each optimizer step by its loss and its gradients, before the update.
+
+    The loop hands :meth:`judge` the step's values, already reduced over ranks (so every rank
+    decides alike); an update whose values are not finite is never applied. ``policy`` stop ends
+    the run at the first such step, skip after ``patience`` in a row. Under fp16 a gradient
+    overflow at a loss scale above 1 is the grad scaler's business (it skips the step and halves
+    the scale); at a scale of 1 or less the gradients overflow unscaled: a non-finite step."""
+
+    policy: str = "stop"
+    patience: int = 3
+    nonfinite_steps: int = 0
+    skipped_steps: int = 0
+    scaler_skipped_steps: int = 0  # fp16 overflows left to the grad scaler (it skips them itself)
+    first_step: int | None = None
+    in_a_row: int = 0
+
+    def judge(self, step: int, loss: float, grad_max: float, scale: float | None = None, *,
+              late: bool = False) -> bool:
+        """True: apply step ``step``'s update. False: skip it (counted). NonFiniteError: stop.
+        ``late``: judged after its update was applied (:class:`LateRead`; policy stop only)."""
+        loss_ok, grads_ok = math.isfinite(loss), math.isfinite(grad_max)
+        if loss_ok and grads_ok:
+            self.in_a_row = 0
+            return True
+        if loss_ok and scale is not None and scale > 1.0:
+            self.scaler_skipped_steps += 1  # the scaler skips it and tries half the scale next
+            return True
+        what = describe_nonfinite(loss, grad_max, scale)
+        self.nonfinite_steps += 1
+        self.in_a_row += 1
+        if self.first_step is None:
+            self.first_step = step
+        if self.policy == "stop" or self.in_a_row >= self.patience:
+            raise NonFiniteError(self._stop_message(step, what, scale, late))
+        self.skipped_steps += 1
+        return False
+
+    def _stop_message(self, step: int, what: str, scale: float | None, late: bool) -> str:
+        why = ("train.nonfinite=stop" if self.policy == "stop"
+               else f"train.nonfinite=skip: {self.in_a_row} non-finite steps in a row (train.nonfinite_patience="
+                    f"{self.patience}; {self.skipped_steps} skipped in all, the first at step {self.first_step})")
+        hint = ("hint: precision=bf16 (fp32's range), or a smaller optim.lr" if scale is not None
+                else "hint: a smaller optim.lr, train.clip_grad_norm, or train.nonfinite=skip to skip such steps")
+        weights = (f"the weights are those after step {step}, read one step late on the GPU" if late
+                   else f"the weights are those before step {step}")
+        return f"step {step}: {what}; stopped by {why}; {weights}; {hint}"
+
+    def summary(self) -> dict[str, Any]:
+        """What summary.json reports."""
+        return {"nonfinite_steps": self.nonfinite_steps, "nonfinite_skipped_steps": self.skipped_steps,
+                "first_nonfinite_step": self.first_step, "scaler_skipped_steps": self.scaler_skipped_steps}
+
+
+class LateRead:
+    """A step's two checked values, read on the host one step later without waiting for the GPU:
+    copied into pinned memory behind an event, which has long completed by the next step (a
+    plain ``.tolist()`` would wait for everything queued, and the GPU then idles while the CPU
+    queues the update and the next forward). Without CUDA the values are kept as they are."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._host = [torch.empty(2, pin_memory=True) for _ in range(2)] if cuda else []
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._kept: list[torch.Tensor] = []
+        self._turn = 0
+        self._pending: tuple[int, int] | None = None  # (step, slot)
+
+    def put(self, step: int, values: torch.Tensor) -> tuple[int, list[float]] | None:
+        """Queue step ``step``'s values; returns the previous step's, (step, values), if any."""
+        previous = self.take()
+        slot, self._turn = self._turn, self._turn ^ 1
+        if self.cuda:
+            self._host[slot].copy_(values, non_blocking=True)
+            self._events[slot].record()
+        else:
+            self._kept = [values.detach().clone()]
+        self._pending = (step, slot)
+        return previous
+
+    def take(self) -> tuple[int, list[float]] | None:
+        """The values still pending, (step, values), or None."""
+        if self._pending is None:
+            return None
+        (step, slot), self._pending = self._pending, None
+        if not self.cuda:
+            return step, self._kept[0].tolist()
+        self._events[slot].synchronize()
+        return step, self._host[slot].tolist()
+
+
+def describe_nonfinite(loss: float, grad_max: float, scale: float | None) -> str:
+    """The values that made a step non-finite, named for the user."""
+    parts = []
+    if not math.isfinite(loss):
+        parts.append(f"the loss is {loss}")
+    if not math.isfinite(grad_max):
+        parts.append(f"the largest gradient is {grad_max}")
+    text = " and ".join(parts)
+    if scale is not None:
+        text += f" (precision=fp16, loss scale {scale:g}: fp16's range, 65504, is exceeded)"
+    return text

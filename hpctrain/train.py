@@ -23,35 +23,45 @@ from tqdm import tqdm
 
 from hpctrain import env as cluster
 from hpctrain.checkpoint import Checkpointer
-from hpctrain.checkpoint.preempt import SignalFlag, signal_names, write_status
+from hpctrain.checkpoint.preempt import Preempted, SignalFlag, signal_names, write_status
 from hpctrain.checkpoint.state import Counters
 from hpctrain.config import Config, ConfigError, to_yaml
 from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data, eval_batch_size
+from hpctrain.data.batch import main_input
+from hpctrain.data.user import bound_stream
 from hpctrain.evaluation.evaluate import EvalResult
-from hpctrain.evaluation.metrics import Metric
-from hpctrain.models import build_model
+from hpctrain.evaluation.metrics import Metric, user_metrics
+from hpctrain.launch.rank import first_cause
+from hpctrain.models.registry import resolve_num_classes
 from hpctrain.optim import build_optimizer, build_scheduler, epoch_over, peak_lr
 from hpctrain.parallel.auto import resolve_auto
 from hpctrain.parallel.base import Strategy
 from hpctrain.parallel.plan import Plan, make_plan
 from hpctrain.parallel.registry import make_strategy
-from hpctrain.precision import Precision
+from hpctrain.precision import LateRead, NumericsWatch, Precision, local_max_abs
 from hpctrain.run_lock import RunDirLock
 from hpctrain.rundir import (
+    SUMMARY,
+    RunDirError,
     atomic_write_text,
     check_run_dir,
     failure_recorded,
+    finished_run_error,
     missing_dirs,
     prepare_run_dir_together,
     remove_empty_dirs,
+    reopen_finished_run,
     resolve_run_dir,
     write_json,
 )
 from hpctrain.section import to_dict
-from hpctrain.tasks import Classification, Task, resolve_task, training_loss
+from hpctrain.tasks import Classification, Task, data_targets, resolve_task, training_loss
+from hpctrain.tasks.inputs import build_task_model
+from hpctrain.telemetry import heartbeat
 from hpctrain.telemetry.loop import Telemetry
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER
 from hpctrain.weights import save_model_streamed
+from hpctrain.weights.model import Digests
 
 log = logging.getLogger("hpctrain")
 
@@ -101,6 +111,7 @@ class LoopResult:
     data_wait_seconds: float = 0.0
     best: dict[str, Any] = field(default_factory=dict)
     preempted: bool = False  # stopped by a signal after a committed checkpoint
+    numerics: dict[str, Any] = field(default_factory=dict)  # non-finite steps (NumericsWatch.summary)
     telemetry: dict[str, Any] = field(default_factory=dict)  # the meter's run means, stragglers, top ops
 
 
@@ -131,7 +142,8 @@ def total_steps(cfg: Config, batches_per_epoch: int) -> int:
 def load_data(cfg: Config, env: cluster.ClusterEnv, device: torch.device, *, with_val: bool = True) -> DataBundle:
     """The run's data, as ``env`` (the plan's data view: one rank per data-parallel replica) sees it."""
     return build_data(cfg.data, env, device, seed=cfg.seed, seq_len=cfg.model.seq_len,
-                      num_classes=cfg.model.num_classes or None, with_val=with_val)
+                      num_classes=cfg.model.num_classes or None, with_val=with_val,
+                      targets=data_targets(cfg.train.task, cfg.train.loss))
 
 
 def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device, data: DataBundle,
@@ -143,15 +155,17 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
         if (resolved.data.batch_size, resolved.train.grad_accum) != (cfg.data.batch_size, cfg.train.grad_accum):
             raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} needs the per-rank split first; "
                               "hint: cfg, plan = hpctrain.parallel.plan.make_plan(cfg, env) before build_data")
-    task = resolve_task(cfg.train.task, data.task, cfg.data.name)
-    num_classes = cfg.model.num_classes or data.num_classes
+    task = resolve_task(cfg.train.task, data.task, cfg.data.name, loss=cfg.train.loss,
+                        class_targets=data.class_targets)
+    num_classes = resolve_num_classes(cfg.model, data.num_classes, data.input_shape, data.input_dtype, cfg.data.name)
 
-    def factory() -> nn.Module:
-        return build_model(cfg.model.name, num_classes, input_shape=data.input_shape, input_dtype=data.input_dtype,
-                           config=cfg.model, task=task.name)
+    def factory() -> nn.Module:  # dict inputs reach the model as model(**inputs) (hpctrain.tasks.inputs)
+        return build_task_model(task, cfg.model.name, num_classes, data.input_shape, data.input_dtype, cfg.model)
 
     strategy = make_strategy(plan.strategy, plan, env, device, cfg.parallel, precision=cfg.precision,
                              compile=cfg.train.compile, seed=cfg.seed, clip_grad_norm=cfg.train.clip_grad_norm)
+    # a stream without __len__: one epoch of train.max_steps (refused without it)
+    data.train_size = bound_stream(data.train_loader, cfg.train.max_steps, cfg.train.grad_accum) or data.train_size
     steps = total_steps(cfg, len(data.train_loader))
     needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
     lr = peak_lr(cfg.optim, plan.global_batch)
@@ -161,7 +175,8 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
                    make_optimizer=lambda model: build_optimizer(model, cfg.optim, lr),
                    make_scheduler=lambda opt: build_scheduler(opt, cfg.optim, steps, epoch_end)
                    if needs_schedule else None)
-    return Components(strategy, data.train_loader, data.val_loader, task.metrics(num_classes), plan, task=task)
+    metrics = [*task.metrics(num_classes), *user_metrics(cfg.train.metrics)]  # train.metrics: the user's, by path
+    return Components(strategy, data.train_loader, data.val_loader, metrics, plan, task=task)
 
 
 # ---------------------------------------------------------------- the loop
@@ -182,6 +197,17 @@ class Loop:
 
     def __post_init__(self) -> None:
         self.forward_done = functools.partial(self.tel.meter.lap, FORWARD)  # bound once: the hot path
+        train = self.cfg.train
+        if train.nonfinite == "skip" and self.parts.strategy.name == "deepspeed":
+            raise ConfigError("train.nonfinite=skip needs the loop to own the optimizer step, but parallel.strategy="
+                              "deepspeed steps inside its engine (which skips fp16 overflows itself); hint: "
+                              "train.nonfinite=stop")
+        self.watch = NumericsWatch(train.nonfinite, train.nonfinite_patience)
+        self.params = list(self.parts.model.parameters())  # listed once: the per-step gradient check
+        # skip: a skipped step restores the buffers its forward changed (BatchNorm's statistics)
+        self.buffers = list(self.parts.model.buffers()) if train.nonfinite == "skip" else []
+        self.kept_buffers: list[torch.Tensor] = []
+        self.late = _late_read(self)
 
 
 def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Components,
@@ -214,11 +240,15 @@ def _fit(loop: Loop) -> LoopResult:
                 tel.meter.lap(OTHER)  # the epoch's end; the heartbeat then shows validation (a long phase)
                 _validate(loop)
                 tel.meter.lap(EVAL)
+        pending = loop.late.take() if loop.late is not None else None
+        if pending is not None:  # the last step's values, read late: judged before the final save
+            _judge(loop, *pending, late=True)
     finally:
         bar.close()
         tel.stop()
     result.data_wait_seconds = tel.meter.data_wait_seconds
     result.telemetry = tel.summary(counters.step)
+    result.numerics = loop.watch.summary()
     return result
 
 
@@ -240,10 +270,15 @@ def _train_epoch(loop: Loop, bar: tqdm) -> bool:
             batch = batch.to(loop.device, non_blocking=True)
         meter.lap(DATA)
         last_micro = (micro - start + 1) % accum == 0
+        if loop.buffers and (micro - start) % accum == 0:  # train.nonfinite=skip: the step's first micro-batch
+            loop.kept_buffers = [b.clone() for b in loop.buffers]
         losses.append(_micro_step(loop, batch, sync=last_micro))
         if not last_micro:
             continue
-        loop.parts.strategy.optimizer_step()
+        if _finite_step(loop, losses[-accum:]):
+            loop.parts.strategy.optimizer_step()
+        else:
+            _skip_update(loop)
         counters.step += 1
         counters.samples_seen += meter.global_batch
         meter.lap(OPTIM)
@@ -265,20 +300,90 @@ def _micro_step(loop: Loop, batch: Batch, sync: bool) -> torch.Tensor:
     parts, meter = loop.parts, loop.tel.meter
     inputs, targets = parts.task.split(batch)
     if not meter.counted:
-        _count_first_batch(loop, batch, inputs)
+        _count_first_batch(loop, batch, inputs, targets)
+    if meter.tokens_each_step:  # padded text: each batch's real tokens (a device tensor, no sync)
+        meter.add_tokens(parts.task.count_tokens(inputs, targets))
     loss = parts.strategy.micro_step(inputs, targets, batch.mask, sync=sync, accum=loop.cfg.train.grad_accum,
                                      forward_done=loop.forward_done)
     meter.lap(BACKWARD)
     return loss
 
 
-def _count_first_batch(loop: Loop, batch: Batch, inputs: torch.Tensor) -> None:
+def _finite_step(loop: Loop, window: list[torch.Tensor]) -> bool:
+    """Apply this step's update? Its loss and gradients, judged by ``train.nonfinite``
+    (NonFiniteError: stop). Costs one pass reading the gradients (their largest magnitude) and,
+    with several ranks, one 8-byte all-reduce, so every rank decides alike: a loss that is nan on
+    one rank only, or a shard's inf (FSDP, tensor and pipeline parallel), reaches all. Reading the
+    two numbers makes the CPU wait for the backward (the GPU then idles while it queues the update
+    and the next forward), except for stop on a GPU: that step is judged one step late (:func:`_late_read`)."""
+    step = loop.parts.counters.step + 1
+    values = _step_values(loop, window)
+    if loop.late is not None:
+        previous = loop.late.put(step, values)
+        if previous is not None:
+            _judge(loop, *previous, late=True)
+        return True
+    return _judge(loop, step, values.tolist())
+
+
+def _step_values(loop: Loop, window: list[torch.Tensor]) -> torch.Tensor:
+    """[the step's loss summed over ranks, its largest gradient magnitude (summed over ranks)], queued on the device."""
+    loss = window[0] if len(window) == 1 else torch.stack(window).sum()
+    grads = local_max_abs(p.grad for p in loop.params if p.grad is not None)
+    values = torch.stack([loss.detach().float(), grads.to(loss.device)])
+    if loop.env.distributed:
+        values = values.to(cluster.collective_device())
+        torch.distributed.all_reduce(values)  # a sum: nan or inf anywhere is nan or inf everywhere
+    return values
+
+
+def _judge(loop: Loop, step: int, values: list[float], late: bool = False) -> bool:
+    scaler = loop.parts.precision.scaler
+    scale = scaler.get_scale() if scaler is not None else None  # fp16 reads at once: no wait past the values'
+    return loop.watch.judge(step, values[0] / loop.env.world_size, values[1], scale, late=late)
+
+
+def _late_read(loop: Loop) -> LateRead | None:
+    """train.nonfinite=stop on a GPU: the step's values are read one step later, from pinned memory,
+    so the CPU never waits for the GPU (the update of a non-finite step is then applied, and the run
+    ends at the next step, its checkpoint refused if the weights went nan). Not for skip (it must
+    decide before the update), nor fp16 (its grad scaler waits for the gradients each step anyway)."""
+    if loop.cfg.train.nonfinite != "stop" or loop.device.type != "cuda" or loop.parts.precision.scaler is not None:
+        return None
+    if loop.env.distributed and cluster.collective_device().type != "cuda":
+        return None  # gloo: the values travel through host memory anyway
+    return LateRead(cuda=True)
+
+
+def _skip_update(loop: Loop) -> None:
+    """A skipped step: the weights, buffers and the optimizer's state stay as they were; the gradients
+    go, and the schedule advances as the step counter does (the strategy's optimizer_step, less the update)."""
+    parts = loop.parts
+    if parts.strategy.name == "deepspeed":
+        return  # its engine stepped in the micro-step (train.nonfinite=skip is refused for it)
+    with torch.no_grad():
+        for buffer, kept in zip(loop.buffers, loop.kept_buffers, strict=True):
+            buffer.copy_(kept)
+    parts.optimizer.zero_grad(set_to_none=True)
+    if parts.scheduler is not None:
+        parts.scheduler.step()
+
+
+def _count_first_batch(loop: Loop, batch: Batch, inputs: Any, targets: torch.Tensor) -> None:
     """Once: FLOPs of a step (on meta, from the inputs the model reads; this rank's share of
-    them, by the plan) and, for a token task, the tokens in this rank's micro-batch (for tokens/s)."""
-    per_sample = loop.parts.task.tokens_per_sample(tuple(inputs.shape[1:]))
-    tokens = per_sample * int(inputs.shape[0]) if per_sample is not None else None
-    model_view = Batch(inputs, batch.targets, batch.keys, batch.mask)
-    loop.tel.meter.first_batch(loop.parts.strategy.flops_module(), model_view, tokens=tokens)
+    them, by the plan) and, for a token task, the tokens in this rank's micro-batch (for tokens/s;
+    padding, attention_mask 0 or target -100, not counted)."""
+    count = getattr(loop.parts.task, "count_tokens", None)  # a user's registered task may not have it
+    tokens = count(inputs, targets) if count is not None else None
+    if tokens is None and not isinstance(inputs, dict):
+        per_sample = loop.parts.task.tokens_per_sample(tuple(inputs.shape[1:]))
+        tokens = per_sample * int(inputs.shape[0]) if per_sample is not None else None
+    # FLOPs are counted with hooks off (no model(**inputs)): from a dict, the main input (input_ids)
+    model_view = Batch(main_input(inputs), batch.targets, batch.keys, batch.mask)
+    loop.tel.meter.first_batch(loop.parts.strategy.flops_module(), model_view,
+                               tokens=int(tokens) if tokens is not None else None)
+    # padded batches (an attention_mask) hold different token counts: counted step by step
+    loop.tel.meter.tokens_each_step = count is not None and isinstance(inputs, dict) and "attention_mask" in inputs
 
 
 def _after_step(loop: Loop) -> bool:
@@ -344,8 +449,9 @@ def _validate(loop: Loop) -> None:
     parts, result = loop.parts, loop.result
     if parts.val_loader is None:
         return
-    res = parts.strategy.evaluate(parts.val_loader, parts.metrics, parts.task,
-                                  batch_size=eval_batch_size(loop.cfg.data))
+    with heartbeat.during(heartbeat.VALIDATING):  # the watchdog's long allowance, for validation only
+        res = parts.strategy.evaluate(parts.val_loader, parts.metrics, parts.task,
+                                      batch_size=eval_batch_size(loop.cfg.data))
     result.eval_seconds += res.seconds
     result.last_eval, result.last_eval_step = res, parts.counters.step
     scalars = {f"val_{k}": v for k, v in res.metrics.items() if isinstance(v, (int, float))}
@@ -372,11 +478,17 @@ def _improved(cfg: Config, name: str, row: dict[str, Any], best: dict[str, Any])
     if name not in row:
         choices = ", ".join(k for k in row if k.startswith("val_"))
         raise ConfigError(f"train.best_metric={name!r} is not a validation metric; choose one of: {choices}")
-    if best.get("metric") != name:  # none yet, or one tracked by another metric before a resume
-        return True
+    if not all(_finite(row[k]) for k in (name, "val_loss") if k in row):
+        return False  # a nan val_loss is never the best (nor the accuracy of a model whose loss is nan)
+    if best.get("metric") != name or not _finite(best.get("value")):  # none yet (or another metric's, or
+        return True  # a nan one an older version recorded) before a resume
     lower_is_better = cfg.train.best_mode == "min" or (
         cfg.train.best_mode == "auto" and name.endswith(("loss", "perplexity")))
     return row[name] < best["value"] if lower_is_better else row[name] > best["value"]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 # ---------------------------------------------------------------- the job
@@ -390,13 +502,14 @@ def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
     cfg, plan = make_plan(cfg, env)  # every rank, before the group: bad combinations fail all alike with exit 2
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
     resume = cfg.resume if cfg.checkpoint.enabled else "never"
-    check_run_dir(run_dir, cfg.run.overwrite, resume)  # read-only, every rank: all fail alike before the group
+    # read-only, every rank: all fail alike before the group; a finished run asked for more steps continues
+    check_run_dir(run_dir, cfg.run.overwrite, resume, cfg.train)
     created = missing_dirs(run_dir)  # a start that fails (bad data, model, checkpoint) leaves none of them behind
     ours = not torch.distributed.is_initialized()  # a group the caller started is the caller's to end
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     lock = RunDirLock(run_dir) if env.is_main else None  # one live run per run.dir, held by rank 0
     try:
-        prepare_run_dir_together(run_dir, cfg.run.overwrite, resume, env.is_main, lock)  # rank 0 changes it
+        prepare_run_dir_together(run_dir, cfg.run.overwrite, resume, env.is_main, lock, cfg.train)  # rank 0 alone
         return _train_in_group(cfg, plan, env, device, run_dir, given)
     except BaseException:
         if lock is not None:
@@ -418,7 +531,8 @@ def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
     signals = SignalFlag(signal_names(cfg.checkpoint))
     signals.install()  # early: a preemption during set-up must not kill the job unsaved
     try:  # and gone again however the run ends: a caller in this process keeps its own handlers
-        return _set_up_and_run(cfg, plan, env, device, run_dir, given or cfg, signals)
+        with first_cause():  # a rank that died first is named, not our collective's error after it
+            return _set_up_and_run(cfg, plan, env, device, run_dir, given or cfg, signals)
     finally:
         signals.uninstall()
 
@@ -434,18 +548,27 @@ def _set_up_and_run(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
     # dropout etc. differ per replica; the tp ranks of one replica draw the same masks on the
     # activations they all hold (data order is the same everywhere)
     seed_everything(cfg.seed + plan.dp_rank)
+    # a finished run asked for more steps (rundir.check_run_dir: "extend"); every rank reads it here, before
+    # the resume's collectives, after which rank 0 alone removes summary.json (_reopen_finished)
+    extending = (run_dir / SUMMARY).exists()
     ckpt = tel = None
     try:
         if cfg.checkpoint.enabled:
             ckpt = Checkpointer(run_dir, env, device, cfg.checkpoint, parts.checkpoint_state(),
                                 run_config=to_dict(cfg), signals=signals)
-            ckpt.resume(cfg.resume)  # before metrics.jsonl opens: resume trims rows past the checkpoint
+            resumed = ckpt.resume(cfg.resume)  # before metrics.jsonl opens: resume trims rows past the checkpoint
+            if extending:
+                _reopen_finished(cfg, env, parts, run_dir, resumed)
+            if resumed:
+                _continue_schedule(cfg, parts, env)
         # a logger whose package is missing fails every rank here, before config.yaml or status.json
         tel = Telemetry.build(cfg.telemetry, env, device, parts.counters.step, batch=plan, precision=cfg.precision,
                               log_every=cfg.train.log_every, run_dir=run_dir, run_config=to_dict(cfg))
-    except BaseException:
+    except BaseException as err:
         if ckpt is not None:
             ckpt.abandon()
+        if isinstance(err, Preempted) and env.is_main:  # a signal ended the resume: exit 3, nothing new saved
+            write_status(run_dir, "preempted", step=parts.counters.step, during=err.phase)
         raise
     if env.is_main:
         atomic_write_text(run_dir / "config.yaml", to_yaml(given))
@@ -456,7 +579,7 @@ def _set_up_and_run(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
                  plan.dp, "ranks" if plan.dp == env.world_size else "data-parallel replicas")
     # up to summary.json, an error leaves status.json "failed" with the error (model.pt too)
     with failure_recorded(env.is_main, lambda error: write_status(run_dir, "failed", step=parts.counters.step,
-                                                                   error=error)):
+                                                                   error=error)), first_cause():
         try:
             result = _run_loop(Loop(cfg, env, device, parts, tel, ckpt))
         finally:
@@ -473,6 +596,44 @@ def _set_up_and_run(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
                  "val_count", "samples_per_s", "tokens_per_s", "skipped_samples")
         log.info("done: %s", ", ".join(f"{k}={_shown(summary[k])}" for k in shown if summary.get(k) is not None))
     return summary
+
+
+def _reopen_finished(cfg: Config, env: cluster.ClusterEnv, parts: Components, run_dir: Path,
+                     resumed: bool) -> None:
+    """A finished run resumed from its last checkpoint goes on only if this config trains at
+    least one step more (the loop's own condition, with this data's steps per epoch); else it
+    is refused as before, its files as they were. Every rank decides alike."""
+    if not resumed:  # checkpoints/ held no committed checkpoint: never start the finished run over
+        raise RunDirError(f"run.dir {run_dir} holds a finished run without a checkpoint to continue from; hint: "
+                          "choose another run.dir, or pass run.overwrite=true to replace its outputs")
+    counters = parts.counters
+    if counters.epoch >= cfg.train.epochs or counters.step >= total_steps(cfg, len(parts.train_loader)):
+        raise finished_run_error(run_dir, cfg.resume)
+    if env.is_main:
+        reopen_finished_run(run_dir, cfg.train)
+
+
+def _continue_schedule(cfg: Config, parts: Components, env: cluster.ClusterEnv) -> None:
+    """After a resume: a built-in LR schedule (a function of the step and the run's length) is
+    recomputed for this config's length. With the same length it gives the saved learning rate
+    bit for bit (nothing changes); a run extended with a larger train.max_steps / train.epochs
+    gets the new curve's rate from its first step on, not the old curve's last (near 0 for cosine)."""
+    scheduler = parts.scheduler
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
+    rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas,
+                                                                        strict=True)]  # what its step() computes
+    groups = parts.optimizer.param_groups
+    if all(group["lr"] == rate for group, rate in zip(groups, rates, strict=True)):
+        return
+    before = groups[0]["lr"]
+    for group, rate in zip(groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = list(rates)  # what get_last_lr() reports (torch keeps it in this attribute)
+    if env.is_main:
+        log.info("LR schedule recomputed for a run of %d steps (optim.schedule=%s): step %d continues at lr %.4g "
+                 "(the saved run's schedule had %.4g)", total_steps(cfg, len(parts.train_loader)), cfg.optim.schedule,
+                 parts.counters.step, rates[0], before)
 
 
 def _shown(value: Any) -> str:
@@ -529,7 +690,7 @@ def _preempted(env: cluster.ClusterEnv, run_dir: Path, parts: Components, ckpt: 
 
 
 def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: LoopResult,
-             params_digest: str) -> dict[str, Any]:
+             digest: Digests) -> dict[str, Any]:
     metrics = result.last_eval.metrics if result.last_eval else {}
     samples = parts.counters.samples_seen
     samples_per_s = samples / result.train_seconds if result.train_seconds else 0.0
@@ -548,7 +709,9 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
         "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
         "data_wait_share": result.data_wait_seconds / result.train_seconds if result.train_seconds else 0.0,
         "best": result.best,
-        "params_sha256": params_digest,  # of model.pt's parameters (save_model_streamed)
+        "params_sha256": digest.params,  # of model.pt's parameters (save_model_streamed)
+        "buffers_sha256": digest.buffers,  # of model.pt's buffers (BatchNorm statistics), all ranks' alike
         "skipped_samples": skipped_samples(parts, env),
+        **result.numerics,  # non-finite steps: counted, skipped, the first (train.nonfinite)
         "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name, "outcome": "finished",
     }

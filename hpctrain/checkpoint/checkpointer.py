@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from hpctrain import safe_pickle
-from hpctrain.checkpoint import checksum, layout, tensorfile
+from hpctrain.checkpoint import checksum, confine, layout, tensorfile
 from hpctrain.checkpoint.policy import Schedule
-from hpctrain.checkpoint.preempt import Agreement, SignalFlag, record_preempted
+from hpctrain.checkpoint.preempt import EXIT_PREEMPTED, Agreement, Preempted, SignalFlag, record_preempted
 from hpctrain.checkpoint.state import (
     DEEPSPEED_DIR,
     REPLICATED,
@@ -47,6 +48,7 @@ from hpctrain.checkpoint.writer import CheckpointWriter, default_group
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import UserError, agree
 from hpctrain.launch.program import program_signals
+from hpctrain.telemetry import heartbeat
 
 if TYPE_CHECKING:
     from hpctrain.checkpoint.config import CheckpointConfig
@@ -124,9 +126,20 @@ class Checkpointer:
         """``auto``: newest intact checkpoint of the run dir (if any); ``never``; or a PATH.
         Rank 0 lists the candidates; every rank reads and checks its files in one pass; all
         ranks agree on the outcome of each phase, so one rank's failure fails every rank
-        (never a hang). Returns True if state was restored."""
+        (never a hang). Returns True if state was restored. The phase is watched: ``hpctrain
+        run``'s watchdog judges it (a long phase), and a preemption signal ends it at once
+        (:class:`~hpctrain.checkpoint.preempt.Preempted`, exit 3: nothing new to save)."""
         if spec == "never":
             return False
+        with heartbeat.during(heartbeat.RESUMING), self.signals.interrupting("the resume", self._preempted_in_resume):
+            return self._resume(spec)
+
+    def _preempted_in_resume(self, err: Preempted) -> None:
+        if self.env.is_main:
+            log.warning("%s during the resume: nothing new to save, exit %d; the same command resumes again",
+                        err.signal_name, EXIT_PREEMPTED)
+
+    def _resume(self, spec: str) -> bool:
         candidates = self._decided("choosing the checkpoint to resume",
                                    lambda: [str(p) for p in layout.candidates(spec, self.root)])
         skipped: list[str] = []
@@ -210,8 +223,8 @@ class Checkpointer:
         before it does (two passes); each rank takes a share of the files."""
         names = sorted(n for n in files if n.startswith((f"{SHARDED_DIR}/", f"{DEEPSPEED_DIR}/")))
         mine = names[self.env.rank :: self.env.world_size]
-        for name in mine:
-            _check_entry(path / name, files[name], layout.hash_file)
+        for name in mine:  # only regular files inside the checkpoint, read no further than their size
+            _check_entry(path / name, files[name], lambda file, algorithm: layout.hash_file(file, algorithm, path))
         if (path / SHARDED_DIR / ".metadata").exists():  # the items of this rank's share of the files, too
             check_dcp_metadata(path / SHARDED_DIR, {n.split("/", 1)[1] for n in mine if n.startswith(SHARDED_DIR)})
 
@@ -258,13 +271,20 @@ class Checkpointer:
         return False
 
     def save(self, best: dict[str, Any], *, blocking: bool = False) -> None:
+        with heartbeat.during(heartbeat.SAVING):  # the watchdog's long allowance: a real save, not the agreement
+            self._save(best, blocking)
+
+    def _save(self, best: dict[str, Any], blocking: bool) -> None:
         step = self.counters.step
         if step == self.last_saved_step:
             if blocking:
                 self._settle()
             return
         self._settle()  # the save in flight commits (or raises) before the next starts; best.json follows it
+        if not self._weights_finite(step):
+            return  # never written, so never best, and retention keeps the last finite checkpoint
         snap = snapshot(self.state, self.env, self.cfg_dict, best, self.format)
+        snap.info["finite"] = True  # checked: retention never deletes the newest checkpoint so marked
         if best.get("step") == step:
             snap.info["best"] = dict(best)
         if best.get("step") == step:
@@ -274,6 +294,29 @@ class Checkpointer:
         self.schedule.saved(self.writer.last.stall_s, max(self.writer.last.total_s, self.writer.last.stall_s))
         if blocking or not self.writer.busy():
             self._settle()
+
+    def _weights_finite(self, step: int) -> bool:
+        """Are the model's parameters and buffers finite on every rank? One pass over this rank's
+        tensors (its shards) per save, and with several ranks one small all-reduce on the loop's
+        agreement group, so every rank skips (or saves) alike. False is logged (rank 0)."""
+        module = getattr(self.view, "model", None)
+        if module is None:
+            module = getattr(self.view, "engine", None)
+        if not isinstance(module, torch.nn.Module):
+            return True  # a view that holds no module of its own: nothing to check
+        from hpctrain.precision import local_max_abs
+
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+        largest = local_max_abs(tensors).cpu().reshape(1)
+        if self.agree.distributed:
+            dist.all_reduce(largest, group=self.agree.group)  # a sum: nan or inf on one rank is everywhere
+        value = float(largest[0])
+        if math.isfinite(value):
+            return True
+        if self.env.is_main:
+            log.warning("checkpoint at step %d not written: the model's weights are not finite (largest magnitude "
+                        "%s); the last checkpoint written stays the newest", step, value)
+        return False
 
     def note_best(self, best: dict[str, Any]) -> None:
         """Validation found a new best at the current step: mark (or save) its checkpoint.
@@ -427,8 +470,8 @@ def _read_tensors(path: Path, into: dict[str, torch.Tensor] | None,
                   files: dict[str, Any] | None) -> dict[str, torch.Tensor]:
     expect = _entry(files, path)
     try:
-        return tensorfile.read(path, into, expect)
-    except tensorfile.TensorFileError:
+        return tensorfile.read(path, into, expect, root=path.parent)
+    except (tensorfile.TensorFileError, layout.CheckpointError):
         raise
     except OSError as err:
         raise layout.unreadable(path, err) from err
@@ -440,12 +483,13 @@ def load_file(path: Path, files: dict[str, Any] | None = None) -> dict[str, Any]
     """A small checkpoint file (skeleton, per-rank state): read once, checked against its
     manifest entry when ``files`` is given, checked against safe_pickle's limits (nesting,
     size, zip bomb: a consistent manifest proves nothing), then unpickled from memory with
-    ``weights_only``."""
-    if not path.is_file():
-        raise layout.CheckpointError(f"{path} is missing; hint: `hpctrain ckpt verify {path.parent}`")
+    ``weights_only``. Only a regular file of the checkpoint directory is read, its size
+    compared with the manifest's (and with :data:`confine.MAX_WHOLE`) before a byte is read."""
     expect = _entry(files, path)
     try:
-        data = path.read_bytes()
+        data = _read_small(path, expect)
+    except confine.MissingFileError:
+        raise layout.CheckpointError(f"{path} is missing; hint: `hpctrain ckpt verify {path.parent}`") from None
     except OSError as err:
         raise layout.unreadable(path, err) from err
     if expect is not None:
@@ -460,6 +504,19 @@ def load_file(path: Path, files: dict[str, Any] | None = None) -> dict[str, Any]
             "this program (crafted or from another tool): do not use it") from err
     except Exception as err:
         raise layout.CheckpointError(f"{path} cannot be loaded ({type(err).__name__}: {err})") from err
+
+
+def _read_small(path: Path, expect: dict[str, Any] | None) -> bytes:
+    """The bytes of a file read whole (a FIFO, a device, a symlink out of the checkpoint, a size
+    other than the manifest's or a huge one: refused before reading)."""
+    fh, size = confine.open_regular(path, path.parent)
+    with fh:
+        if expect is not None and size != expect["size"]:
+            raise layout.CheckpointError(checksum.mismatch(expect, {"size": size}, path) or f"{path}: size {size}")
+        if size > confine.MAX_WHOLE:
+            raise confine.RefusedFileError(f"{path} holds {size:,} bytes, more than the {confine.MAX_WHOLE:,} a "
+                                           "checkpoint's skeleton or per-rank state ever holds: refused before reading")
+        return confine.read_at_most(fh, size)
 
 
 def _entry(files: dict[str, Any] | None, path: Path) -> dict[str, Any] | None:

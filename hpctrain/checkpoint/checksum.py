@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from hpctrain.checkpoint import confine
 from hpctrain.errors import UserError
 
 log = logging.getLogger("hpctrain")
@@ -197,9 +198,11 @@ def hash_bytes(data: bytes, algorithm: Algorithm) -> dict[str, Any]:
     return digest.entry(len(data))
 
 
-def hash_file(path: Path, algorithm: Algorithm | None = None) -> dict[str, Any]:
+def hash_file(path: Path, algorithm: Algorithm | None = None, root: Path | None = None) -> dict[str, Any]:
     """The manifest entry of a file on disk (default: ``checkpoint.hash``'s default): leaves
-    are read one after another and hashed in parallel (buffers reused, three in flight)."""
+    are read one after another and hashed in parallel (buffers reused, three in flight). Only
+    a regular file (inside ``root`` when given) is read, and no further than its size when
+    opened: a FIFO, a device or a file that keeps growing cannot make the hash run forever."""
     algorithm = algorithm or resolve(DEFAULT)
     algorithm.new()  # unavailable: raised before the file is read
     bufs = getattr(_local, "leaves", None)
@@ -207,17 +210,18 @@ def hash_file(path: Path, algorithm: Algorithm | None = None) -> dict[str, Any]:
         bufs = _local.leaves = [bytearray(LEAF) for _ in range(3)]
     futures: list[Future[bytes]] = []
     size = 0
-    with open(path, "rb", buffering=0) as fh:
+    fh, limit = confine.open_regular(path, root)
+    with fh:
         for i in itertools.count():
             if i >= 3:
                 futures[i - 3].result()  # its buffer is about to be reused
-            buf = memoryview(bufs[i % 3])
+            buf = memoryview(bufs[i % 3])[: min(LEAF, limit - size)]
             n = _read_full(fh, buf)
             if n == 0 and i > 0:
                 break
             futures.append(_hash_pool.submit(_leaf, algorithm.new, [buf[:n]]))
             size += n
-            if n < LEAF:
+            if n < LEAF or size >= limit:
                 break
     return {"size": size, algorithm.key: _root(algorithm, [f.result() for f in futures])}
 

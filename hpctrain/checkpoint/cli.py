@@ -18,7 +18,8 @@ def add_parser(subparsers: Any) -> None:
     actions = p.add_subparsers(dest="action", required=True)
     a = actions.add_parser("list", help="committed checkpoints of a run directory")
     a.add_argument("run_dir")
-    a.add_argument("--verify", action="store_true", help="also check every file's size and checksum")
+    a.add_argument("--verify", action="store_true", help="also check every file's size and checksum (and what "
+                   "the pickles and tensor headers hold); exit 1 when one is corrupt, 2 when one is refused")
     a.set_defaults(func=cmd_list)
     a = actions.add_parser("verify", help="check sizes, checksums and what the pickles may hold; exit 1 on any "
                                           "corrupt file, 2 on a crafted one; unreadable: 2 (permissions) or 1 (I/O)")
@@ -52,14 +53,25 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     best = layout.best_step(root)
     print(f"{'checkpoint':<16} {'step':>9} {'epoch':>6} {'world':>5} {'size MB':>9}  {'created':<20} status")
+    code, notes = 0, []
     for step, path in entries:
-        m = layout.read_manifest(path)
-        size = sum(f["size"] for f in m["files"].values()) / 1e6
-        status = _verify_one(path)[0] if args.verify else "committed"
+        try:
+            m = layout.read_manifest(path)
+        except layout.CheckpointError as err:  # a bad manifest is shown as such; the others are still listed
+            status, exit_code = ("UNREADABLE", err.exit_code) if isinstance(err, layout.UnreadableCheckpointError) \
+                else ("CORRUPT", 1)
+            code, m = max(code, exit_code), {}
+            notes.append(f"{path.name}: {err}")
+        else:
+            status, _, exit_code = _verify_one(path) if args.verify else ("committed", [], 0)
+            code = max(code, exit_code)
+        size = f"{sum(f['size'] for f in m['files'].values()) / 1e6:>9.1f}" if m else f"{'?':>9}"
         mark = "  best" if step == best else ""
-        print(f"{path.name:<16} {step:>9} {m.get('epoch', '?'):>6} {m.get('world_size', '?'):>5} {size:>9.1f}  "
+        print(f"{path.name:<16} {step:>9} {m.get('epoch', '?'):>6} {m.get('world_size', '?'):>5} {size}  "
               f"{m.get('created', '?'):<20} {status}{mark}")
-    return 0
+    for note in notes:
+        print(f"  {note}")
+    return code
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -95,6 +107,7 @@ def _unsafe_contents(path: Path) -> list[str]:
     manifest): every pickle a resume would load is checked as the resume checks it: each
     torch.save file against safe_pickle's limits (nesting, size, zip bomb; no torch needed),
     a DCP checkpoint's metadata with only DCP's classes admitted, and its items."""
+    from hpctrain.checkpoint import confine
     from hpctrain.checkpoint.state import SHARDED_DIR
     from hpctrain.safe_pickle import UnsafePickleError, check_torch_archive
 
@@ -102,12 +115,14 @@ def _unsafe_contents(path: Path) -> list[str]:
     problems = []
     for name in sorted(n for n in manifest["files"] if "/" not in n and n.endswith(".pt")):  # skeleton, per rank
         try:
-            with open(path / name, "rb") as fh:
+            fh, _ = confine.open_regular(path / name, path)
+            with fh:
                 check_torch_archive(fh, str(path / name))
         except UnsafePickleError as err:
             problems.append(str(err))
         except OSError as err:
             raise layout.unreadable(path / name, err) from err
+    problems += _bad_tensor_headers(path, manifest)
     if manifest.get("format") == "dcp":
         from hpctrain.checkpoint.checkpointer import check_dcp_metadata
 
@@ -120,8 +135,26 @@ def _unsafe_contents(path: Path) -> list[str]:
     return problems
 
 
+def _bad_tensor_headers(path: Path, manifest: dict[str, Any]) -> list[str]:
+    """A tensor file's header is checked as a resume checks it before allocating anything (a
+    length within the file, no deep nesting, known dtypes, non-negative shapes whose bytes are
+    the offsets' span): a checksum rewritten to match proves none of that."""
+    from hpctrain.checkpoint import tensorfile
+
+    problems = []
+    for name in sorted(n for n in manifest["files"] if n.endswith(".safetensors")):
+        try:
+            tensorfile.read_header(path / name, path)
+        except (tensorfile.TensorFileError, layout.CheckpointError) as err:
+            problems.append(str(err))
+        except OSError as err:
+            raise layout.unreadable(path / name, err) from err
+    return problems
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     # Here, not at the top: export needs torch, and list and verify (a login node's) do not.
+    from hpctrain.checkpoint.tensorfile import TensorFileError
     from hpctrain.safe_pickle import UnsafePickleError
     from hpctrain.weights.export import SUFFIXES, ExportError, write_stream
 
@@ -135,7 +168,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if problems:
             raise layout.CheckpointError(f"{path} is corrupt: {'; '.join(problems)}")
         written = write_stream(out, checkpoint_source(path))
-    except (layout.CheckpointError, ExportError, UnsafePickleError) as err:
+    except (layout.CheckpointError, ExportError, UnsafePickleError, TensorFileError) as err:
         print(f"hpctrain ckpt export: error: {err}", file=sys.stderr)
         # 2: no checkpoint there, or a crafted one refused; 1: a corrupt one, or the output cannot be written
         return err.exit_code
@@ -149,7 +182,7 @@ def checkpoint_source(path: Path) -> Source:
     """A committed checkpoint's model tensors, without a process group: a DCP checkpoint's are
     read one at a time (never the optimizer state); a DeepSpeed one's ZeRO partitions are merged
     by DeepSpeed's zero_to_fp32; a torch-format one's rank-0 file is loaded."""
-    from hpctrain.checkpoint.state import DEEPSPEED_DIR, SHARDED_DIR
+    from hpctrain.checkpoint.state import DEEPSPEED_DIR, REPLICATED, SHARDED_DIR
     from hpctrain.weights.export import dcp_source, dict_source
 
     fmt = layout.read_manifest(path).get("format")
@@ -161,4 +194,8 @@ def checkpoint_source(path: Path) -> Source:
         return dict_source(consolidated_state(path / DEEPSPEED_DIR))
     from hpctrain.checkpoint.checkpointer import load_replicated
 
-    return dict_source(dict(load_replicated(path)["model"]))
+    # the manifest's entries: every file checked against its size and checksum while it is read
+    state = load_replicated(path, files=layout.read_manifest(path)["files"])
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise layout.CheckpointError(f"{path / REPLICATED} holds no model state dict (crafted or corrupted)")
+    return dict_source(dict(state["model"]))

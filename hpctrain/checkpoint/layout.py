@@ -20,6 +20,7 @@ import errno
 import glob
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -31,17 +32,17 @@ from pathlib import Path
 from typing import IO, Any
 
 from hpctrain._version import __version__
-from hpctrain.checkpoint import checksum
+from hpctrain.checkpoint import checksum, confine
 from hpctrain.checkpoint.checksum import Algorithm
-from hpctrain.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, RunError, UserError
-from hpctrain.rundir import atomic_write_text, replace_durably
+from hpctrain.checkpoint.confine import CheckpointError
+from hpctrain.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, UserError
+from hpctrain.rundir import BEST_FILE, atomic_write_text, replace_durably
 
 log = logging.getLogger("hpctrain")
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 PARTIAL_PREFIX = ".partial-"
-BEST_FILE = "best.json"
 # The manifest key of checkpoints written before checkpoint.hash existed; tensorfile.DIGEST says the
 # same (tests/test_imports.py checks both). Every algorithm's key: checksum.ALGORITHMS.
 DIGEST = checksum.SHA256_KEY
@@ -49,10 +50,6 @@ _NAME = re.compile(r"^step-(\d{9,})$")
 _STEP_IN_NAME = re.compile(r"step-(\d{9,})$")  # step-N, .partial-step-N, superseded-step-N
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")  # rundir.atomic_open's temporary files
 UNCOMMITTED_PREFIX = "uncommitted-"
-
-
-class CheckpointError(RunError):
-    """A checkpoint cannot be written or read; the message names the file and a hint."""
 
 
 class UnreadableCheckpointError(CheckpointError):
@@ -149,9 +146,10 @@ def save_file(obj: Any, path: Path, algorithm: Algorithm | None = None) -> dict[
     return writer.close()
 
 
-def hash_file(path: Path, algorithm: Algorithm | None = None) -> dict[str, Any]:
-    """Manifest entry of a file already on disk (DCP's files, verification)."""
-    return checksum.hash_file(path, algorithm)
+def hash_file(path: Path, algorithm: Algorithm | None = None, root: Path | None = None) -> dict[str, Any]:
+    """Manifest entry of a file already on disk (DCP's files, verification); only a regular
+    file inside ``root`` (when given) is read."""
+    return checksum.hash_file(path, algorithm, root)
 
 
 # ---------------------------------------------------------------- commit
@@ -267,19 +265,73 @@ class Found:
         return not self.problems
 
 
+MAX_MANIFEST = 64 << 20  # ~300 bytes an entry: far beyond the files of any real checkpoint
+# Keys a manifest may hold and the types they must have where present (readers use them as such).
+_INFO_TYPES: dict[str, type] = {"format": str, "world_size": int, "step": int, "epoch": int, "created": str,
+                                "format_version": int}
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, read as untrusted input: a regular file inside
+    ``path``, bounded in size, checked for the types every reader relies on
+    (:func:`check_manifest`). Anything else is a :class:`CheckpointError` naming the key."""
     file = Path(path) / MANIFEST
     try:
+        if confine.check_regular(file, Path(path)) > MAX_MANIFEST:  # never a FIFO, a device or a huge file
+            raise CheckpointError(f"{file} holds more than the {MAX_MANIFEST:,} bytes a manifest ever holds "
+                                  "(crafted or corrupted)")
         data = json.loads(file.read_text())
-    except FileNotFoundError:
+    except confine.MissingFileError:
         raise CheckpointError(f"{file} is missing: {path} is not a committed checkpoint") from None
     except OSError as err:
         raise unreadable(file, err) from None
-    except ValueError as err:
+    except RecursionError:
+        raise CheckpointError(f"{file} nests too deep to be a manifest (crafted or corrupted)") from None
+    except ValueError as err:  # UnicodeDecodeError included
         raise CheckpointError(f"{file} is not valid JSON ({err}) (corrupted)") from None
+    check_manifest(data, file)
+    return data
+
+
+def check_manifest(data: Any, file: Path) -> None:
+    """Raise :class:`CheckpointError` unless ``data`` is a manifest: ``files`` maps names inside
+    the checkpoint to entries with an integer ``size`` (and a string checksum where the entry
+    names a known one), and the other keys readers use have their types."""
+    hint = "hint: the manifest is corrupted or crafted; `hpctrain ckpt verify` the older checkpoints"
     if not isinstance(data, dict) or "files" not in data:
         raise CheckpointError(f"{file} is not an hpctrain checkpoint manifest (no 'files')")
-    return data
+    files = data["files"]
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{file}: 'files' is a {_type(files)}, not an object of file entries; {hint}")
+    for name, entry in files.items():
+        confine.member(file.parent, name)
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{file}: files[{name!r}] is a {_type(entry)} ({_short(entry)}), not an object "
+                                  f"with 'size' and a checksum; {hint}")
+        size = entry.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise CheckpointError(f"{file}: files[{name!r}].size is {_short(size)}, not a byte count; {hint}")
+        algorithm = checksum.of_entry(entry)
+        if algorithm is not None and not isinstance(entry[algorithm.key], str):
+            raise CheckpointError(f"{file}: files[{name!r}].{algorithm.key} is {_short(entry[algorithm.key])}, not "
+                                  f"a hex digest; {hint}")
+    for key, kind in _INFO_TYPES.items():
+        if key in data and not (_is_int(data[key]) if kind is int else isinstance(data[key], kind)):
+            raise CheckpointError(f"{file}: {key!r} is {_short(data[key])}, not a {kind.__name__}; {hint}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type(value: Any) -> str:
+    names: dict[type, str] = {list: "list", dict: "object", str: "string"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else _type(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 Hasher = Callable[[Path, Algorithm], dict[str, Any]]
@@ -300,7 +352,9 @@ def verify(path: Path, hasher: Hasher | None = None) -> list[str]:
     for name, entry in sorted(manifest["files"].items()):
         file = path / name
         try:
-            problem = _check_file(file, entry, hasher or hash_file)
+            problem = _check_file(path, file, entry, hasher or _confined_hash(path))
+        except CheckpointError as err:  # outside the directory, not a regular file, missing
+            problem = str(err)
         except OSError as err:
             raise unreadable(file, err) from None
         except checksum.ChecksumUnavailableError as err:
@@ -310,12 +364,20 @@ def verify(path: Path, hasher: Hasher | None = None) -> list[str]:
     return problems
 
 
-def _check_file(file: Path, entry: dict[str, Any], hasher: Hasher) -> str | None:
-    if not file.exists():
-        return f"{file}: missing"
-    if not file.is_file():
-        return f"{file}: not a file"
-    got: dict[str, Any] = {"size": file.stat().st_size}
+def _confined_hash(root: Path) -> Hasher:
+    return lambda file, algorithm: hash_file(file, algorithm, root)
+
+
+def _check_file(root: Path, file: Path, entry: dict[str, Any], hasher: Hasher) -> str | None:
+    """Why ``file`` does not match its entry (None: it does). Its size is compared (``stat``
+    of a regular file inside ``root``) before a byte is read: nothing about a file outside
+    the checkpoint, its size included, is ever read or shown."""
+    got: dict[str, Any] = {"size": confine.check_regular(file, root)}
+    if got["size"] == entry.get("size") and got["size"] > confine.MAX_WHOLE and file.parent == root \
+            and file.suffix == ".pt":
+        # a crafted size: never hashed for hours
+        return (f"{file} holds {got['size']:,} bytes, more than the {confine.MAX_WHOLE:,} a checkpoint's skeleton "
+                "or per-rank state ever holds (a resume reads it whole): refused before reading")
     algorithm = checksum.of_entry(entry)
     if got["size"] == entry.get("size") and algorithm is not None:  # hashed only where the size agrees
         got = hasher(file, algorithm)
@@ -393,7 +455,7 @@ def set_aside(root: Path, after_step: int) -> None:
 
 def to_delete(steps: list[int], keep_last: int, keep_every: int | None, protect: set[int]) -> list[int]:
     """Steps that retention removes: not among the newest ``keep_last``, not a multiple of
-    ``keep_every``, not protected (best), never the newest."""
+    ``keep_every``, not protected (best, the newest finite), never the newest."""
     keep = set(steps[-max(1, keep_last):]) | protect
     if keep_every:
         keep |= {s for s in steps if s % keep_every == 0}
@@ -402,7 +464,7 @@ def to_delete(steps: list[int], keep_last: int, keep_every: int | None, protect:
 
 def apply_retention(root: Path, keep_last: int, keep_every: int | None) -> None:
     entries = committed(root)
-    protect = {best_step(root)} - {None}
+    protect = {best_step(root), newest_finite(entries)} - {None}
     doomed = to_delete([s for s, _ in entries], keep_last, keep_every, protect)  # type: ignore[arg-type]
     for step, path in entries:
         if step not in doomed:
@@ -417,8 +479,26 @@ def apply_retention(root: Path, keep_last: int, keep_every: int | None) -> None:
         _remove_tree(trash)
 
 
+def newest_finite(entries: list[tuple[int, Path]]) -> int | None:
+    """The newest of ``entries`` (committed(), oldest first) whose manifest says its weights were
+    checked finite when saved (every checkpoint hpctrain writes now; older ones say nothing)."""
+    for step, path in reversed(entries):
+        try:
+            if read_manifest(path).get("finite") is True:
+                return step
+        except CheckpointError:
+            continue  # unreadable or crafted: not known to be finite
+    return None
+
+
 def best_step(root: Path) -> int | None:
+    """The step best.json names; None without one, or when its value is not finite (a nan
+    val_loss is no best: an older version could record one)."""
     try:
-        return int(json.loads((Path(root) / BEST_FILE).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        record = json.loads((Path(root) / BEST_FILE).read_text())
+        value = record.get("value", 0.0)
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -53,7 +53,9 @@ class _DeferredRNG(RNG):
     """The random streams, put back when the resumed epoch's first batch is drawn rather than at
     ``resume()``: in between, the loop makes its DataLoader iterator, which draws a seed from the
     global stream. The uninterrupted run drew that seed before the checkpoint; drawn again after
-    the restore, it would shift every later dropout mask."""
+    the restore, it would shift every later dropout mask. Put back at each pass the loop begins
+    until training goes on (:meth:`done`): a stray ``iter()`` before the training pass draws its
+    seed too, and the training pass must start from the saved streams all the same."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -65,7 +67,9 @@ class _DeferredRNG(RNG):
     def apply(self) -> None:
         if self.pending is not None:
             super().load_state_dict(self.pending)
-            self.pending = None
+
+    def done(self) -> None:
+        self.pending = None
 
 
 class LoopCheckpoint:
@@ -102,12 +106,17 @@ class LoopCheckpoint:
         epoch = self.position.epoch
         if isinstance(self.sampler, ResumableSampler) and epoch is not None:
             skip = self.position.batches_done * self.samples_per_step
-            self.sampler.resume_at(epoch, skip, then=self.rng.apply)
+            self.sampler.resume_at(epoch, skip, then=self.rng.apply, until_done=True)  # until _after_step
         else:
             self.rng.apply()
+            self.rng.done()
         return first_epoch if epoch is None else int(epoch)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.rng.pending is not None:  # the first step after a resume: the training pass holds the position
+            self.rng.done()
+            if isinstance(self.sampler, ResumableSampler):
+                self.sampler.resume_done()
         self.counters.step += 1
         epoch = self.sampler.epoch if isinstance(self.sampler, ResumableSampler) else None
         if epoch != self.position.epoch:

@@ -27,14 +27,17 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.launch.rank import OUTCOME_ENV, named_peer_failure
 
 STATUS = "status.json"
 # A signal the launcher kept before its ranks existed: they inherit its name and honour it.
@@ -84,13 +87,31 @@ def _record(signum: int, frame: FrameType | None) -> None:
         os.environ[RELAY_ENV] = signal.Signals(signum).name  # ranks the launcher starts after this inherit it
 
 
+class Preempted(SystemExit):
+    """A preemption signal ended a phase that has nothing to save (the resume read): the
+    process ends with :data:`EXIT_PREEMPTED` at once, and the same command run again starts
+    that phase over. A ``SystemExit``: no ``except Exception`` on the way swallows it, and a
+    user's program ends with 3 without a traceback."""
+
+    def __init__(self, signum: int, phase: str) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.signum, self.phase = signum, phase
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
 class SignalFlag:
-    """Installs handlers for the configured signals; each only records that it fired."""
+    """Installs handlers for the configured signals; each only records that it fired (inside
+    :meth:`interrupting`, it also ends the phase)."""
 
     def __init__(self, names: list[str]) -> None:
         self.signals = [getattr(signal, name) for name in names]
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._phase: str | None = None  # inside interrupting(): the phase a signal ends
+        self._count = 0  # signals handled so far (a phase tells its own from earlier ones)
 
     @property
     def requested(self) -> bool:
@@ -116,7 +137,83 @@ class SignalFlag:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
+        self.received, self._count = signum, self._count + 1
+        phase, self._phase = self._phase, None  # raised once: not again while it unwinds
+        if phase is not None:
+            raise Preempted(signum, phase)
+
+    @contextmanager
+    def interrupting(self, phase: str, on_preempted: Callable[[Preempted], None] | None = None) -> Iterator[None]:
+        """A phase that saves nothing and may block (the resume read: a file system that hangs,
+        a FIFO where a file was expected): a preemption signal inside ends it at once with
+        :class:`Preempted` (exit 3) instead of waiting for a step boundary that may never come.
+        The handler raises in the main thread, also out of a blocking system call. A rank
+        blocked in a collective runs the handler only once the collective fails (its peer
+        ended): that error, when a signal came during the phase, counts as the preemption too.
+        A signal received before the phase keeps its meaning (honoured after the first step).
+        ``on_preempted`` runs once, before the exception leaves (status, a log line)."""
+        before = self._count
+        # handlers run in the main thread: a phase on another thread must not be ended there
+        self._phase = phase if threading.current_thread() is threading.main_thread() else None
+        try:
+            yield
+        except BaseException as err:
+            if self._count == before or self.received is None:
+                raise  # no signal in the phase: the error stands (rank.first_cause may still name a dead peer)
+            failed = named_peer_failure(err)  # the signal was the launcher stopping us after a rank's death
+            if failed is not None:
+                raise failed from err
+            ended = err if isinstance(err, Preempted) else Preempted(self.received, phase)
+            self._ended(ended, on_preempted)
+            if ended is err:
+                raise
+            raise ended from err
+        finally:
+            self._phase = None
+        if self._count != before and self.received is not None:  # a handler's raise someone swallowed
+            ended = Preempted(self.received, phase)
+            self._ended(ended, on_preempted)
+            raise ended
+
+    def _ended(self, err: Preempted, on_preempted: Callable[[Preempted], None] | None) -> None:
+        self._phase = None
+        record_preempted()  # under hpctrain run: the launcher then exits 3 for any program
+        if on_preempted is not None:
+            on_preempted(err)
+
+
+# Preemption signals a build tool leaves alone (ninja handles INT, TERM and HUP itself, and
+# stops the build on them): an ignored one stays ignored in every child, across exec.
+SHIELDED = ("SIGUSR1", "SIGUSR2")
+
+
+@contextmanager
+def children_shielded() -> Iterator[None]:
+    """Child processes started inside never see SIGUSR1 or SIGUSR2 (DeepSpeed's first use builds
+    C++ ops with ``ninja`` in the rank's process group, and ``hpctrain run`` forwards a
+    preemption signal to that whole group: by its default action the signal killed ninja half
+    way, an internal error and exit 138). Inside, this process ignores them, so its children
+    inherit that; on the way out its handlers are back and it delivers to itself each signal
+    ``hpctrain run`` forwarded meanwhile (the launcher's note), so the handler decides as if
+    it had come now: the trainer's flag saves after the first step and exits 3. Under a plain
+    torchrun, which leaves no note, a signal during the build is lost (the build is not).
+    Main thread only (handlers can be set nowhere else)."""
+    from hpctrain.launch.rank import forwarded_signals
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [getattr(signal, name) for name in SHIELDED if hasattr(signal, name)]
+    before = forwarded_signals()
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for name in sorted(forwarded_signals() - before):
+            if name in SHIELDED:
+                signal.raise_signal(getattr(signal, name))
 
 
 class Agreement:
@@ -177,9 +274,9 @@ def launcher_exit_code(cfg: Any, code: int, since: float) -> int:
 
 # ---------------------------------------------------------------- any program under hpctrain run
 
-# `hpctrain run` gives its ranks a node-local directory; a rank that saved for a preemption
+# `hpctrain run` gives its ranks a node-local directory (OUTCOME_ENV, defined with the rest of
+# the launcher <-> rank protocol in hpctrain.launch.rank); a rank that saved for a preemption
 # records it there, so the launcher can say 3 for any program, not only for hpctrain train.
-OUTCOME_ENV = "HPCTRAIN_OUTCOME_DIR"
 
 
 def record_preempted(environ: dict[str, str] | None = None) -> None:

@@ -62,15 +62,25 @@ def config_fingerprint(cfg_dict: dict[str, Any]) -> str:
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ (for a warning on resume)."""
+    """Dotted keys whose values differ (for a warning on resume), nothing else. A side that
+    records no config (a loop that passes none to the Checkpointer) is not a change of every
+    key; a section one side lacks counts only its keys whose values differ."""
+    if not prefix and not (old and new):
+        return []
     changes = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += config_changes(a, b, f"{prefix}{key}.")
+        if isinstance(a, dict) or isinstance(b, dict):
+            changes += config_changes(a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {},
+                                      f"{prefix}{key}.")
         elif a != b and key != "resume":
-            changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
+            changes.append(f"{prefix}{key}: {_short(a)} -> {_short(b)}")
     return changes
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 # ---------------------------------------------------------------- RNG
@@ -149,9 +159,10 @@ def snapshot(state: Mapping[str, Any], env: ClusterEnv, cfg_dict: dict[str, Any]
     counters = state["counters"].state_dict()
     per_rank = {"rank": env.rank, "world_size": env.world_size, "counters": counters,
                 **{name: state[name].state_dict() for name in PER_RANK if state.get(name) is not None}}
+    # every rank, every format: buffers made rank 0's (one consistent copy; DCP would otherwise write
+    # each replicated buffer from whichever rank it balances the load to), ZeRO-1's optimizer consolidated
+    view.gather()
     sharded = view.sharded_state_dict() if fmt == "dcp" else None
-    if fmt == "torch":
-        view.gather()  # a collective where the optimizer state is split (ZeRO-1): every rank
     replicated = None
     if env.is_main:
         replicated = {name: (obj.state_dict() if obj is not None else None) for name, obj in state.items()
@@ -182,8 +193,9 @@ def restore(state: Mapping[str, Any], replicated: dict[str, Any], per_rank: dict
             obj.load_state_dict(replicated[name])
     changes = config_changes(replicated.get("config", {}), cfg_dict)
     if changes and env.is_main:
-        log.warning("resuming with a changed config (the run may not match an uninterrupted one): %s",
-                    "; ".join(changes))
+        more = f"; and {len(changes) - 8} more" if len(changes) > 8 else ""
+        log.warning("resuming with a changed config (the run may not match an uninterrupted one): %s%s",
+                    "; ".join(changes[:8]), more)
     if per_rank["world_size"] != env.world_size and env.is_main:
         log.warning("resuming at world size %d from a checkpoint of world size %d: model and optimizer are "
                     "exact, RNG streams restart from seed + data-parallel rank", env.world_size, per_rank["world_size"])

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hpctrain.checkpoint import checksum
+from hpctrain.checkpoint import checksum, confine
 from hpctrain.checkpoint.checksum import Algorithm, TreeHash
 from hpctrain.errors import RunError
 
@@ -78,7 +78,11 @@ def split(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
 def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, dict):
         if len(skeleton) == 1 and _TAG in skeleton:
-            return tensors[skeleton[_TAG]]
+            name = skeleton[_TAG]
+            if not isinstance(name, str) or name not in tensors:  # a skeleton and tensors of different saves
+                raise TensorFileError(f"the skeleton names tensor {_shown(name)}, which the tensor file does not hold "
+                                      "(crafted or corrupted)")
+            return tensors[name]
         out = skeleton.copy()
         for key, value in skeleton.items():
             out[key] = join(value, tensors)
@@ -195,24 +199,37 @@ def _write_all(fd: int, data: memoryview) -> None:
 # ---------------------------------------------------------------- reading
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    with open(path, "rb") as fh:
-        raw, header = _read_header(fh, path)
-    return header, len(raw)
+MAX_HEADER = 100 << 20  # bytes of header JSON (safetensors' own readers refuse more); ~100 bytes a tensor
 
 
-def _read_header(fh: Any, path: Path) -> tuple[bytes, dict[str, Any]]:
+def read_header(path: Path, root: Path | None = None) -> tuple[dict[str, Any], int]:
+    """The validated header of ``path`` (a regular file, inside ``root`` when given) and
+    where its data starts; raises :class:`TensorFileError` for any header that
+    :func:`read` would refuse. Reads the header only."""
+    fh, size = confine.open_regular(path, root)
+    with fh:
+        raw, header = _read_header(fh, path, size)
+    return _checked(header, path, size - len(raw)), len(raw)
+
+
+def _read_header(fh: Any, path: Path, size: int) -> tuple[bytes, dict[str, Any]]:
     """The raw header bytes (length prefix included: they are part of the checksum) and
-    the parsed header without its metadata."""
+    the parsed header without its metadata. The length is compared with the file's
+    ``size`` and :data:`MAX_HEADER` before the header is read."""
     prefix = fh.read(8)
     if len(prefix) != 8:
         raise TensorFileError(f"{path} is truncated (no header)")
     (length,) = struct.unpack("<Q", prefix)
+    if length > min(MAX_HEADER, size - 8):
+        raise TensorFileError(f"{path}: header length {length:,} is more than the file's {size - 8:,} bytes after "
+                              f"it or the {MAX_HEADER:,} allowed (truncated, corrupted or crafted)")
     text = fh.read(length)
     if len(text) != length:
         raise TensorFileError(f"{path} is truncated (header of {length} bytes)")
     try:
         header = json.loads(text)
+    except RecursionError:  # json's C scanner stops at the interpreter's recursion limit: no stack overflow
+        raise TensorFileError(f"{path}: header nests deeper than a tensor file's three levels (crafted)") from None
     except ValueError as err:
         raise TensorFileError(f"{path}: header is not valid JSON ({err})") from None
     if not isinstance(header, dict):
@@ -225,8 +242,12 @@ class ChecksumError(TensorFileError):
     """The bytes read do not match the manifest's size or checksum."""
 
 
+class TooLargeError(TensorFileError):
+    """The file's tensors need more new memory than is available here: not read."""
+
+
 def read(path: Path, into: dict[str, torch.Tensor] | None = None,
-         expect: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+         expect: dict[str, Any] | None = None, root: Path | None = None) -> dict[str, torch.Tensor]:
     """All tensors of ``path``. Where ``into`` holds a tensor of the same name, shape and
     dtype, the bytes are read straight into it (no new allocation).
 
@@ -234,16 +255,25 @@ def read(path: Path, into: dict[str, torch.Tensor] | None = None,
     entry names) are checked in the same pass. Each byte is read once, into its tensor, and
     hashed there by helper threads while the next bytes are read; a mismatch raises
     :class:`ChecksumError` once the read is done, before the caller can use the tensors
-    (the caller must then treat ``into`` as overwritten)."""
+    (the caller must then treat ``into`` as overwritten).
+
+    Nothing is allocated before the header is validated (:func:`_checked`). Tensors that get
+    new memory must fit in the memory available here; where they take more than half of it,
+    the whole file is hashed first (a second pass), so a tensor a crafted header declares
+    huge is never allocated unless the checksum vouches for it. ``root``: the file must be
+    a regular file inside it (symlinks resolved)."""
     into = into or {}
     digest = _digest_for(path, expect)
-    size = os.stat(path).st_size
+    size = confine.check_regular(path, root)  # never a FIFO, a device, or a file outside the checkpoint
     if expect is not None and size != expect.get("size"):
         raise ChecksumError(checksum.mismatch(expect, {"size": size}, path))
     with _Sequential(path) as fh:
+        size = fh.size  # of the file opened: the bound of every read below
+        if expect is not None and size != expect.get("size"):
+            raise ChecksumError(checksum.mismatch(expect, {"size": size}, path))
         try:
-            out = _read_all(fh, path, size, into, digest)
-        except ChecksumError:
+            out = _read_all(fh, path, size, into, digest, expect)
+        except (ChecksumError, TooLargeError):
             raise
         except TensorFileError as err:
             if expect is None:
@@ -271,15 +301,18 @@ def _digest_for(path: Path, expect: dict[str, Any] | None) -> TreeHash | None:
 
 
 def _read_all(fh: Any, path: Path, size: int, into: dict[str, torch.Tensor],
-              digest: TreeHash | None) -> dict[str, torch.Tensor]:
+              digest: TreeHash | None, expect: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    raw, header = _read_header(fh, path)
+    raw, header = _read_header(fh, path, size)
+    entries = _checked(header, path, size - len(raw))
+    if _check_memory(entries, into, path) and expect is not None and digest is not None:
+        _verify_first(path, expect)  # raises ChecksumError before anything is allocated
     _update(digest, raw)
     pos = len(raw)
-    for name, entry in sorted(_checked(header, path).items(), key=lambda item: item[1]["data_offsets"][0]):
+    for name, entry in sorted(entries.items(), key=lambda item: item[1]["data_offsets"][0]):
         begin, end = (len(raw) + offset for offset in entry["data_offsets"])
-        if begin < pos or end < begin or end > size:
-            raise TensorFileError(f"{path}: tensor {name!r} has bad data_offsets {entry['data_offsets']}")
+        if begin < pos:
+            raise TensorFileError(f"{path}: tensor {name!r} has bad data_offsets {entry['data_offsets']} (overlap)")
         _update(digest, _read_bytes(fh, begin - pos, path))  # a gap (none in files written here)
         out[name] = target = _target(into.get(name), entry, name, path)
         _read_exact(fh, _bytes(target), path, digest)
@@ -302,6 +335,7 @@ class _Sequential:
     def __init__(self, path: Path) -> None:
         self._fh = _open_read(path)
         fd = self._fh.fileno()
+        self.size = os.fstat(fd).st_size
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window
         self._pos = self._dropped = 0
 
@@ -332,32 +366,100 @@ class _Sequential:
 
 
 def _open_read(path: Path) -> io.FileIO:
-    return io.FileIO(path, "r")
+    """Opened non-blocking, a regular file only (:func:`confine.open_regular`)."""
+    return confine.open_regular(path)[0]
 
 
-def _checked(header: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The header's entries, each with a dtype, an int shape and two int data offsets."""
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _checked(header: dict[str, Any], path: Path, data_size: int) -> dict[str, Any]:
+    """The header's entries once each is known to describe bytes of this file: a known
+    dtype, a shape of non-negative ints, and two int offsets within the ``data_size`` bytes
+    after the header whose difference is exactly the shape's bytes. Nothing is allocated
+    before this passed."""
     for name, entry in header.items():
-        ok = isinstance(entry, dict) and isinstance(entry.get("dtype"), str) \
-            and isinstance(entry.get("shape"), list) and all(isinstance(n, int) for n in entry["shape"]) \
-            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2 \
-            and all(isinstance(n, int) for n in entry["data_offsets"])
-        if not ok:
-            raise TensorFileError(f"{path}: header entry {name!r} is malformed")
+        if not isinstance(entry, dict) or not isinstance(entry.get("shape"), list) \
+                or not isinstance(entry.get("data_offsets"), list) or len(entry["data_offsets"]) != 2 \
+                or not all(_is_int(n) for n in [*entry["shape"], *entry["data_offsets"]]):
+            raise TensorFileError(f"{path}: header entry {_shown(name)} is malformed (crafted or corrupted)")
+        if entry.get("dtype") not in _BY_NAME:
+            raise TensorFileError(f"{path}: tensor {_shown(name)} has unknown dtype {_shown(entry.get('dtype'))}")
+        shape, (begin, end) = entry["shape"], entry["data_offsets"]
+        if any(n < 0 for n in shape):
+            raise TensorFileError(f"{path}: tensor {_shown(name)} has negative dimensions {_shown(shape)} (crafted)")
+        if not 0 <= begin <= end <= data_size:
+            raise TensorFileError(f"{path}: tensor {_shown(name)} has bad data_offsets {[begin, end]} for the "
+                                  f"{data_size:,} data bytes of the file")
+        nbytes = math.prod(shape) * _ITEMSIZE[entry["dtype"]]
+        if end - begin != nbytes:
+            raise TensorFileError(f"{path}: tensor {_shown(name)} has {end - begin} bytes for shape {_shown(shape)}")
     return header
 
 
+_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _BY_NAME.items()}
+
+
+def _fits(live: torch.Tensor | None, entry: dict[str, Any]) -> bool:
+    return live is not None and tuple(live.shape) == tuple(entry["shape"]) and live.dtype == _BY_NAME[entry["dtype"]] \
+        and live.is_contiguous() and live.device.type == "cpu"
+
+
 def _target(live: torch.Tensor | None, entry: dict[str, Any], name: str, path: Path) -> torch.Tensor:
-    """The live tensor if it fits the entry exactly, else a new one."""
-    if entry.get("dtype") not in _BY_NAME:
-        raise TensorFileError(f"{path}: tensor {name!r} has unknown dtype {entry.get('dtype')!r}")
-    dtype, shape = _BY_NAME[entry["dtype"]], tuple(entry["shape"])
-    begin, end = entry["data_offsets"]
-    if end - begin != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
-        raise TensorFileError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {list(shape)}")
-    fits = live is not None and tuple(live.shape) == shape and live.dtype == dtype and live.is_contiguous() \
-        and live.device.type == "cpu"
-    return live if fits and live is not None else torch.empty(shape, dtype=dtype)
+    """The live tensor if it fits the (checked) entry exactly, else a new one."""
+    if live is not None and _fits(live, entry):
+        return live
+    return allocate(tuple(entry["shape"]), _BY_NAME[entry["dtype"]])
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Every new tensor a read makes (one place, so tests can see what is allocated)."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate: the kernel's MemAvailable, or less where the
+    cgroup (a Slurm job's, a container's) leaves less."""
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            avail = min(avail, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError, IndexError):
+        pass  # what is known so far
+    return max(avail, 0)
+
+
+def _check_memory(entries: dict[str, Any], into: dict[str, torch.Tensor], path: Path) -> bool:
+    """Raise when the tensors that need new memory do not fit in what is available; True
+    when they take more than half of it (then the checksum is checked before they are made)."""
+    fresh = sum(end - begin for name, entry in entries.items() if not _fits(into.get(name), entry)
+                for begin, end in [entry["data_offsets"]])
+    if not fresh:
+        return False
+    avail = available_memory()
+    if fresh > avail:
+        raise TooLargeError(f"{path}: its tensors need {fresh:,} bytes of new memory, more than the {avail:,} "
+                              "available here: not read (crafted, or a state too large for this node); hint: "
+                              "`hpctrain ckpt verify` it, or resume on a node with more memory")
+    return fresh > avail // 2
+
+
+def _verify_first(path: Path, expect: dict[str, Any]) -> None:
+    """Hash the whole file (a pass of its own, three 64 MiB buffers) and raise
+    :class:`ChecksumError` where it does not match ``expect``."""
+    problem = checksum.mismatch(expect, checksum.hash_file(path, checksum.of_entry(expect)), path)
+    if problem:
+        raise ChecksumError(problem)
 
 
 def _update(digest: TreeHash | None, data: Any) -> None:

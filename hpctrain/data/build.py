@@ -9,6 +9,7 @@ protocols, :class:`TrainLoader` and :class:`EvalBatches`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hpctrain.data.batch import ArrayDataset, Batch, BatchedDataset, ItemDataset
+from hpctrain.data.batch import ArrayDataset, Batch, BatchedDataset, ItemDataset, main_input
 from hpctrain.data.config import DataConfig
 from hpctrain.data.loader import IndexedBatches, PlanLoader, ShardDataset, ShardedEvalLoader, ShardedLoader
 from hpctrain.data.manifest import manifest_path
@@ -72,6 +73,7 @@ class DataLayout:
     input_shape: tuple[int, ...]  # one sample's
     input_dtype: torch.dtype = torch.float32  # the model's input: torch.long for token ids
     task: str = CLASSIFICATION  # what the data asks of the loop (hpctrain.tasks): causal_lm for text
+    class_targets: bool = True  # are the targets class ids (one integer per sample)? else values, vectors
 
 
 @dataclass
@@ -86,6 +88,7 @@ class DataBundle:
     val_size: int
     input_dtype: torch.dtype = torch.float32
     task: str = CLASSIFICATION
+    class_targets: bool = True  # DataLayout.class_targets
 
 
 @dataclass
@@ -108,16 +111,19 @@ def data_layout(text: TextLayout | None = None, *, num_classes: int = 0, input_s
 
 
 def build_data(data: DataConfig, env: ClusterEnv, device: torch.device, *, seed: int, seq_len: int | None = None,
-               num_classes: int | None = None, with_val: bool = True) -> DataBundle:
+               num_classes: int | None = None, with_val: bool = True, targets: str = "class") -> DataBundle:
     """This rank's training loader (and validation loader) for ``data.name``.
 
     ``env``: the data-parallel place of this rank; ``seed``: the sample order (and synthetic
     data); ``seq_len``: the model's context length (``data.name=shakespeare`` is sharded at
-    it); ``num_classes``: the model's class count, for shards whose manifest lists none.
+    it); ``num_classes``: the model's class count, for shards whose manifest lists none;
+    ``targets``: what the labels of tables and users' datasets must be (the task's kind,
+    :func:`hpctrain.tasks.data_targets`): class ids, float values, 0/1 vectors, or any.
     """
     source, arg = resolve_source(data.name)
     if source.splits is not None:
-        return _user_data(data, env, device, seed, hook(source.splits)(data, arg, seed), num_classes, with_val)
+        user = _splits(source.splits, data, arg, seed, targets, seq_len)
+        return _user_data(data, env, device, seed, user, num_classes, with_val, targets)
     if source.shards is not None:
         root = _shard_root(source.shards, data, env, seq_len)
         return _shard_data(data, env, device, seed, root, num_classes, with_val)
@@ -131,13 +137,13 @@ def build_data(data: DataConfig, env: ClusterEnv, device: torch.device, *, seed:
 
 
 def build_val_loader(data: DataConfig, env: ClusterEnv, *, seed: int, seq_len: int | None = None,
-                     num_classes: int | None = None) -> ValData:
+                     num_classes: int | None = None, targets: str = "class") -> ValData:
     """The evaluation loader of ``data.val_split`` for any ``data.name``, and its layout (``hpctrain eval``)."""
     source, arg = resolve_source(data.name)
     if source.splits is not None:
-        user: UserData = hook(source.splits)(data, arg, seed)
+        user: UserData = _splits(source.splits, data, arg, seed, targets, seq_len)
         classes = class_count(user, data, num_classes)
-        val = _user_val(data, env, user, classes)
+        val = _user_val(data, env, user, classes, targets)
         if val is None:
             raise ConfigError(f"data.name={data.name} has no {data.val_split} split to evaluate")
         return val
@@ -166,7 +172,20 @@ def _pin(data: DataConfig, device: torch.device) -> bool:
 
 def _bundle(loader: TrainLoader, size: int, layout: DataLayout, val: EvalBatches | None, val_size: int) -> DataBundle:
     return DataBundle(loader, val, layout.num_classes, layout.input_shape, size, val_size, layout.input_dtype,
-                      layout.task)
+                      layout.task, layout.class_targets)
+
+
+def _splits(target: str, data: DataConfig, arg: str, seed: int, targets: str, seq_len: int | None = None) -> UserData:
+    """A source's splits; a hook that takes ``targets`` (the tables') reads its labels as the task
+    wants, one that takes ``seq_len`` (text columns) cuts windows of the model's context."""
+    fn = hook(target)
+    try:
+        params = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = set()
+    offered = {"targets": targets, "seq_len": seq_len}
+    user: UserData = fn(data, arg, seed, **{k: v for k, v in offered.items() if k in params})
+    return user
 
 
 # ---------------------------------------------------------------- in memory
@@ -235,14 +254,12 @@ def _num_classes(dataset: ShardDataset, num_classes: int | None) -> int:
 
 
 def _user_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: int, user: UserData,
-               num_classes: int | None, with_val: bool) -> DataBundle:
+               num_classes: int | None, with_val: bool, targets: str = "class") -> DataBundle:
     """Loaders over the splits of ``data.name=package.module:NAME`` (or csv:, parquet:, ...):
     map-style splits by the shards' plan (:class:`PlanLoader`), streams by :class:`StreamLoader`."""
+    # classes None: unknown to the data; the model's output width tells (models.registry.resolve_num_classes)
     classes = class_count(user, data, num_classes)
-    if classes is None and user.task != CAUSAL_LM:
-        raise ConfigError(f"data.name={data.name}: the number of classes is unknown; hint: set model.num_classes, "
-                          "or give num_classes in the mapping (or a classes list on the dataset)")
-    spec = spec_for(user, data, "train", classes)
+    spec = spec_for(user, data, "train", classes if targets in ("class", "multilabel") else None, targets)
     loader: TrainLoader
     if is_stream(user.train):
         items = ItemDataset(user.train, spec)
@@ -257,22 +274,23 @@ def _user_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: in
                             pin_memory=_pin(data, device), persistent_workers=data.persistent_workers,
                             max_samples=data.max_train_samples, what=f"data.name={data.name} train")
         template = batches.template()
-    val = _user_val(data, env, user, classes) if with_val else None
-    return _bundle(loader, loader.num_samples, _user_layout(user, template, classes), val.loader if val else None,
-                   val.size if val else 0)
+    val = _user_val(data, env, user, classes, targets) if with_val else None
+    return _bundle(loader, loader.num_samples, _user_layout(user, template, classes, targets),
+                   val.loader if val else None, val.size if val else 0)
 
 
-def _user_val(data: DataConfig, env: ClusterEnv, user: UserData, classes: int | None) -> ValData | None:
+def _user_val(data: DataConfig, env: ClusterEnv, user: UserData, classes: int | None,
+              targets: str = "class") -> ValData | None:
     """The validation split, each sample on exactly one rank (a stream is read whole first)."""
     if user.val is None:
         if env.is_main:
             log.warning("data.name=%s has no %s split: training without validation", data.name, data.val_split)
         return None
-    spec = spec_for(user, data, data.val_split, classes)
+    spec = spec_for(user, data, data.val_split, classes if targets in ("class", "multilabel") else None, targets)
     val = ListDataset(materialize(user.val, data.max_val_samples)) if is_stream(user.val) else user.val
     dataset = _first(map_style(val, data, spec), data.max_val_samples)
-    loader = EvalLoader(dataset, env, eval_batch_size(data))
-    return ValData(loader, len(dataset), _user_layout(user, loader.template(), classes))
+    loader = EvalLoader(dataset, env, eval_batch_size(data), targets=targets)
+    return ValData(loader, len(dataset), _user_layout(user, loader.template(), classes, targets))
 
 
 def _first(dataset: BatchedDataset, limit: int | None) -> BatchedDataset:
@@ -295,8 +313,21 @@ def _stream_template(stream: Any, items: ItemDataset) -> Batch:
     return items.collate([first], torch.zeros(1, dtype=torch.long))
 
 
-def _user_layout(user: UserData, template: Batch, classes: int | None) -> DataLayout:
-    shape = tuple(template.inputs.shape[1:])
+def _user_layout(user: UserData, template: Batch, classes: int | None, targets: str = "class") -> DataLayout:
+    first = main_input(template.inputs)
+    shape = tuple(first.shape[1:])
     if user.task == CAUSAL_LM:  # a window of seq_len + 1 tokens: the model sees seq_len of them
         return data_layout(TextLayout(shape[0] - 1, classes or 0))
-    return data_layout(num_classes=classes or 0, input_shape=shape, input_dtype=template.inputs.dtype)
+    y = template.targets
+    is_class = y.ndim == 1 and not y.is_floating_point()
+    # the model's output width: the class count, else the values per sample (regression, multilabel)
+    width = classes if classes and (is_class or targets == "multilabel") else int(y[0].numel())
+    if targets == "float":
+        width = int(y[0].numel())
+    if targets == "class" and is_class and not classes:
+        width = 0  # unknown: the model's output width is the class count
+    if targets == "any" and is_class and not classes:
+        raise ConfigError(f"data.name={user.name}: the number of classes is unknown; hint: set model.num_classes, "
+                          "or give num_classes in the mapping (or a classes list on the dataset)")
+    layout = data_layout(num_classes=width or 0, input_shape=shape, input_dtype=first.dtype)
+    return DataLayout(layout.num_classes, layout.input_shape, layout.input_dtype, layout.task, is_class)

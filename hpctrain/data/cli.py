@@ -21,9 +21,8 @@ from hpctrain.errors import UserError
 def cmd_shard(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    # without --split: the source's own splits (text: train and val, split by document)
-    splits = [args.split] if args.split else pack_source(args.source)[0].pack_splits
-    options = PackOptions(args.seq_len, args.glob, args.val_fraction, num_classes=args.num_classes,
+    splits = _shard_splits(args)
+    options = PackOptions(args.seq_len, args.glob, _val_fraction(args), num_classes=args.num_classes,
                           image_size=args.image_size, classes=_other_classes(Path(args.out_dir), splits),
                           allow_missing_classes=args.allow_missing_classes, input_columns=args.input_column,
                           label_column=args.label_column)
@@ -39,6 +38,32 @@ def cmd_shard(args: argparse.Namespace) -> int:
         print(f"wrote {manifest['total_samples']} samples in {len(manifest['shards'])} shards "
               f"({total / 1e6:.1f} MB) to {args.out_dir} (split {split})")
     return 0
+
+
+def _shard_splits(args: argparse.Namespace) -> tuple[str, ...]:
+    """--split, else the source's own splits (text: a corpus's split folders, else train and val by
+    document; train only with --val-fraction 0)."""
+    if args.split:
+        return (args.split,)
+    if args.source.startswith("text:"):
+        from hpctrain.data.text import split_folders
+
+        folders = split_folders(args.source.removeprefix("text:"))
+        if folders:
+            return tuple(folders)
+        if args.val_fraction == 0:
+            return ("train",)
+    return pack_source(args.source)[0].pack_splits
+
+
+def _val_fraction(args: argparse.Namespace) -> float:
+    """--val-fraction; for ``text:PATH --split S`` without it, PATH is all of S (the corpus's own
+    split: re-splitting it would drop a share of S's documents)."""
+    if args.val_fraction is not None:
+        return float(args.val_fraction)
+    if args.source.startswith("text:") and args.split in ("train", "val"):
+        return 0.0 if args.split == "train" else 1.0
+    return VAL_FRACTION
 
 
 def _other_classes(root: Path, writing: Sequence[str]) -> tuple[str, ...] | None:
@@ -133,8 +158,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
                    help="text: tokens per sample (windows of seq-len + 1)")
     p.add_argument("--glob", help="text: which files of a directory or tar are documents (default *.txt)")
-    p.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
-                   help="text: share of documents held out as val")
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help=f"text: share of documents held out as val (default {VAL_FRACTION}; 0: all train, 1: all val; "
+                        "text:PATH --split S without it: all of PATH is S; train/ and val/ folders: kept)")
     p.add_argument("--num-classes", type=int,
                    help="labelled sources: refuse labels outside [0, N) (default: N = the largest label + 1)")
     p.add_argument("--image-size", type=int, metavar="N",

@@ -39,8 +39,9 @@ class DataConfig:
     input_key: str | None = opt(None, "Your own data with dict items: the input's key; None = the first of input, inputs, input_ids, x, image, img, pixel_values, features.")
     label_key: str | None = opt(None, "Your own data with dict items: the label's key; None = the first of label, labels, target, targets, y.")
     collate: str | None = opt(None, "Your own data: package.module:fn turning a list of items into (inputs, labels) (or a dict); None = torch's default_collate.")
-    input_columns: list[str] | None = opt(None, "Tables (csv:, parquet:, jsonl:, hf:): the input columns, e.g. [x1,x2] (one vector per row) or [input_ids] (a list per row); None = every numeric column but the label.")
-    label_column: str = opt("label", "Tables (csv:, parquet:, jsonl:, hf:): the column of class ids 0..C-1.")
+    input_columns: list[str] | None = opt(None, "The inputs: tables (csv:, parquet:, jsonl:, hf:): the input columns, e.g. [x1,x2] (numbers: one vector per row) or [input_ids,attention_mask] (lists: a dict of named tensors, the model called as model(**inputs)); dict items (your own data, datasets.Dataset): the keys passed to the model by name. None = tables: every numeric column but the labels (text columns skipped); dict items: data.input_key plus attention_mask / token_type_ids / position_ids where present.")
+    label_column: str = opt("label", "Tables (csv:, parquet:, jsonl:, hf:): the target column: class ids 0..C-1 (classification), a number (regression) or a list per row (a vector: regression, multilabel).")
+    label_columns: list[str] | None = opt(None, "Tables: several target columns, stacked into one vector per row, e.g. [y1,y2] (regression with two outputs) or [cat,dog,bird] (multilabel 0/1 columns); overrides data.label_column.")
 
     def __post_init__(self) -> None:
         positive("data", self, "batch_size", "global_batch_size", "eval_batch_size", "max_train_samples",

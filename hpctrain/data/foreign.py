@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from hpctrain.cache import cache_root
 from hpctrain.data.errors import ShardError
 from hpctrain.data.indexing import index_existing, tar_stats
-from hpctrain.data.manifest import manifest_path
+from hpctrain.data.manifest import load_manifest, manifest_path, parse_json, read_regular
 from hpctrain.data.nodeonce import once_per_node
 from hpctrain.env import ClusterEnv
 from hpctrain.rundir import atomic_write_bytes
@@ -144,11 +144,20 @@ def _usable(directory: Path, split: str, tars: list[Path]) -> bool:
         return False
     if not tars:
         return True
-    try:
-        indexed_from = json.loads(path.read_text()).get("indexed_from")
-    except (OSError, json.JSONDecodeError):
+    manifest = _read_json(path)
+    if not isinstance(manifest, dict):
         return True  # load_manifest names the broken file
+    indexed_from = manifest.get("indexed_from")
     return indexed_from is None or indexed_from == tar_stats(tars)
+
+
+def _read_json(path: Path) -> object:
+    """A manifest's JSON, or None when it cannot be read or parsed (a FIFO, a device, a giant,
+    bad UTF-8): bounded and non-blocking, for the checks that only decide whether to index."""
+    try:
+        return parse_json(read_regular(path, "manifest"), "manifest", path)
+    except ShardError:
+        return None
 
 
 def _no_training_split(directory: Path, split: str) -> None:
@@ -166,16 +175,15 @@ def _fresh(root: Path, split: str, tars: list[Path]) -> bool:
     path = manifest_path(root, split)
     if not path.is_file():
         return False
-    try:
-        manifest = json.loads(path.read_text())
-        return bool(manifest.get("indexed_from") == tar_stats(tars))
-    except (OSError, json.JSONDecodeError):
-        return False
+    manifest = _read_json(path)
+    return isinstance(manifest, dict) and manifest.get("indexed_from") == tar_stats(tars)
 
 
 def _mirror_bytes(source: Path) -> bytes:
-    """A copy of an hpctrain manifest that points at the original's tars and indexes."""
-    manifest = json.loads(source.read_text())
+    """A copy of an hpctrain manifest that points at the original's tars and indexes. The original
+    is checked as the loader checks it (plain shard and index names), so the copy cannot point
+    outside the original's directory."""
+    manifest = load_manifest(source.parent, source.name[: -len(".manifest.json")])
     directory = source.parent.resolve()
     manifest["data_dir"] = str(directory)
     manifest["shards"] = [{**s, "index": str(directory / s["index"])} for s in manifest["shards"]]
@@ -183,8 +191,13 @@ def _mirror_bytes(source: Path) -> bytes:
 
 
 def _mirrored(root: Path, split: str, source: Path) -> bool:
+    """Whether the mirror is current; False (not an error: the waiting ranks poll this) when either
+    manifest is unreadable, so local rank 0's _index reports it."""
     path = manifest_path(root, split)
-    return path.is_file() and path.read_bytes() == _mirror_bytes(source)
+    try:
+        return path.is_file() and read_regular(path, "manifest") == _mirror_bytes(source)
+    except ShardError:
+        return False
 
 
 def _ready(p: Plan) -> bool:

@@ -28,11 +28,17 @@ from hpctrain.data.user import UserData
 class ImageFolderDataset(Dataset):
     """``(CHW float32 in [0, 1], class id)`` per image file, at one size and mode (``look``)."""
 
-    def __init__(self, files: list[Path], labels: list[int], look: Look, classes: list[str]) -> None:
-        self.files, self.labels, self.look, self.classes = files, labels, look, classes
+    def __init__(self, files: list[Path], labels: list[int], look: Look, classes: list[str],
+                 root: Path | None = None) -> None:
+        self.files, self.labels, self.look, self.classes, self.root = files, labels, look, classes, root
 
     def __len__(self) -> int:
         return len(self.files)
+
+    def sample_name(self, index: int) -> str:
+        """The image's path below the split's folder (``cat/001.png``): what predictions are keyed by."""
+        file = self.files[index]
+        return file.relative_to(self.root).as_posix() if self.root is not None else file.name
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image = pillow()
@@ -76,7 +82,7 @@ def _folder(root: Path, split: str, classes: tuple[str, ...] | None, image_size:
     if look is not None and target[0] != look[0]:  # another split: the training split's size and mode
         raise ShardError(f"imagefolder {root} ({split}) holds {target[0][0]}x{target[0][1]} images, the training "
                          f"split {look[0][0]}x{look[0][1]}; hint: data.image_size=N resizes both")
-    return ImageFolderDataset([f for _, f in files], [i for i, _ in files], look or target, names)
+    return ImageFolderDataset([f for _, f in files], [i for i, _ in files], look or target, names, root)
 
 
 def imagefolder_splits(data: DataConfig, arg: str, seed: int) -> UserData:

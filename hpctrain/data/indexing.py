@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hpctrain.data.errors import ShardError
 from hpctrain.data.manifest import (
@@ -42,46 +44,107 @@ def _labels_of(ext: str, data: bytes) -> dict[str, int]:
             return {}
     try:
         record = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
         return {}
     if not isinstance(record, dict):
         return {}
     return {f"json:{k}": record[k] for k in JSON_LABEL_KEYS if type(record.get(k)) is int}
 
 
-def _scan_tar(path: Path) -> Iterator[tuple[str, list[tuple[str, int, int, int]], dict[str, int]]]:
-    """(key, [(ext, header_offset, data_offset, size)], label candidates) per sample, in file order."""
-    with tarfile.open(path, "r:") as tf:
+# A label member (.cls, or the .json record a label is looked for in) larger than this is not
+# parsed: its bytes would be read whole, and a crafted header may declare any size.
+MAX_LABEL_BYTES = 2**20
+Members = list[tuple[str, int, int, int]]  # (ext, header offset, data offset, size) per field of a sample
+
+
+class _Capped:
+    """A file whose reads never ask for more than it holds: tarfile reads a PAX header or a GNU
+    long name of the size its header declares in one call, and a crafted size would be allocated."""
+
+    def __init__(self, fh: BinaryIO, size: int) -> None:
+        self.fh, self.size, self.name = fh, size, getattr(fh, "name", None)
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = max(0, self.size - self.fh.tell())
+        return self.fh.read(left if n is None or n < 0 else min(n, left))
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.fh.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading only if it is a regular file (a FIFO would block tarfile forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    fh = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        fh.close()
+        raise ShardError(f"{path} is not a regular file (a FIFO, device or directory); hint: index tar files only")
+    return fh
+
+
+def _scan_tar(path: Path, fh: BinaryIO, size: int) -> Iterator[tuple[str, Members, dict[str, int]]]:
+    """(key, members, label candidates) per sample, in file order; a member whose declared size
+    runs past the end of the file is refused before its bytes are read."""
+    with tarfile.open(fileobj=_Capped(fh, size), mode="r:") as tf:  # type: ignore[call-overload]
         key: str | None = None
-        members: list[tuple[str, int, int, int]] = []
+        members: Members = []
         labels: dict[str, int] = {}
         for m in tf:
             if not m.isfile():
                 continue
+            if m.offset_data + m.size > size:
+                raise ShardError(f"{path}: member {m.name!r} declares {m.size} bytes at offset {m.offset_data}, past "
+                                 f"the end of the file ({size} bytes): a truncated or damaged tar; hint: check it "
+                                 f"(tar tvf {path}) and copy or write it again")
             k, ext = split_key(m.name)
             if k != key and members:
                 yield key, members, labels  # type: ignore[misc]
                 members, labels = [], {}
             key = k
             members.append((ext, m.offset, m.offset_data, m.size))
-            if ext in LABEL_EXTS or ext == "json":
+            if (ext in LABEL_EXTS or ext == "json") and m.size <= MAX_LABEL_BYTES:
                 labels.update(_labels_of(ext, tf.extractfile(m).read()))  # type: ignore[union-attr]
         if members:
             yield key, members, labels  # type: ignore[misc]
 
 
+def _read_tar(path: Path) -> tuple[list[tuple[str, Members, dict[str, int]]], list[int]]:
+    """The samples of a tar and the CRC-32 of each one's bytes, read range by range (a tar may be
+    larger than memory); any way the tar is malformed is a ShardError naming it."""
+    try:
+        with _open_regular(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            scanned = list(_scan_tar(path, fh, size))
+            crcs = []
+            for key, members, _ in scanned:
+                start, end = members[0][1], members[-1][2] + padded(members[-1][3])
+                if end > size:
+                    raise ShardError(f"{path} ends inside sample {key!r} (its last member's padding); a truncated "
+                                     f"tar; hint: copy or write it again")
+                crcs.append(_crc_range(fh.fileno(), start, end))
+    except (OSError, tarfile.TarError, ValueError, OverflowError, EOFError) as err:
+        raise ShardError(f"{path} cannot be read as a tar file: {err}; hint: check the file (tar tf {path})") from err
+    return scanned, crcs
+
+
+def _crc_range(fd: int, start: int, end: int, chunk: int = 4 * 2**20) -> int:
+    crc = 0
+    for pos in range(start, end, chunk):
+        crc = zlib.crc32(os.pread(fd, min(chunk, end - pos), pos), crc)
+    return crc
+
+
 def index_tar(path: Path) -> tuple[dict[str, Any], dict[str, set[int]]]:
     """Build the index of an existing tar (any writer, PAX or USTAR) and, per label candidate
     (``cls``, ``json:label``, ...) that every sample has, the labels it holds."""
-    try:
-        raw = path.read_bytes()
-        scanned = list(_scan_tar(path))
-    except (OSError, tarfile.TarError) as err:
-        raise ShardError(f"{path} cannot be read as a tar file: {err}; hint: check the file (tar tf {path})") from err
+    scanned, crc_list = _read_tar(path)
     keys, starts, ends, crcs, offsets = [], [], [], [], []
     fields: list[str] | None = None
     found: dict[str, set[int]] | None = None
-    for key, members, labels in scanned:
+    for (key, members, labels), crc in zip(scanned, crc_list):
         exts = [m[0] for m in members]
         if fields is None:
             fields = exts
@@ -91,7 +154,7 @@ def index_tar(path: Path) -> tuple[dict[str, Any], dict[str, set[int]]]:
         keys.append(key)
         starts.append(start)
         ends.append(end)
-        crcs.append(zlib.crc32(raw[start:end]))
+        crcs.append(crc)
         offsets.append([v for _, _, off, size in members for v in (off - start, size)])
         if found is None:
             found = {name: set() for name in labels}

@@ -142,21 +142,31 @@ class ShardIndex:
         self.decode: dict[str, Any] = self.manifest.get("decode") or {}
         self.classes: list[str] = list(self.manifest.get("classes") or [])
         self._check_present()
-        indexes = [load_index(root, s) for s in self.shards]
+        # load_index checks every range (non-negative, inside the declared bytes) and gives int64 arrays
+        indexes = [load_index(root, s, self.fields) for s in self.shards]
         self.sizes = [len(ix["keys"]) for ix in indexes]
         self.keys: list[str] = [k for ix in indexes for k in ix["keys"]]
         self.shard_of = np.repeat(np.arange(len(indexes), dtype=np.int32), self.sizes)
-        self.start = np.concatenate([np.asarray(ix["start"], dtype=np.int64) for ix in indexes])
-        self.length = np.concatenate([np.asarray(ix["end"], dtype=np.int64) for ix in indexes]) - self.start
-        self.crc = np.concatenate([np.asarray(ix["crc32"], dtype=np.int64) for ix in indexes])
-        self.offsets = np.concatenate([np.asarray(ix["offsets"], dtype=np.int64).reshape(-1, 2 * len(self.fields))
-                                       for ix in indexes])
+        self.start = np.concatenate([ix["start"] for ix in indexes])
+        self.length = np.concatenate([ix["end"] for ix in indexes]) - self.start
+        self.crc = np.concatenate([ix["crc32"] for ix in indexes])
+        self.offsets = np.concatenate([ix["offsets"] for ix in indexes])
+        # what each shard held when opened: a read never asks for more than is there (see ShardDataset.read)
+        self.file_bytes = [(self.data_root / s["name"]).stat().st_size for s in self.shards]
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def _check_present(self) -> None:
         """A shard the manifest lists but the directory lacks is missing input (not a truncated one)."""
+        if not self.shards:
+            raise ShardError(f"{manifest_path(self.root, self.split)} lists no shards; hint: write the split again "
+                             "(`hpctrain data shard` or `hpctrain data index`)")
+        odd = [s["name"] for s in self.shards if (self.data_root / s["name"]).exists()
+               and not (self.data_root / s["name"]).is_file()]
+        if odd:  # a FIFO would block the first read, a device stream forever
+            raise ShardError(f"shard {self.data_root / odd[0]} is not a regular file (a FIFO, device or directory); "
+                             f"hint: put the tar file itself there, then `hpctrain data verify {self.root}`")
         missing = [s["name"] for s in self.shards if not (self.data_root / s["name"]).is_file()]
         if missing:
             shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
@@ -168,8 +178,7 @@ class ShardIndex:
     def truncated(self) -> list[tuple[str, str]]:
         """(shard, first sample key past the end) for each shard shorter than its index says."""
         out, first = [], 0
-        for shard, count in zip(self.shards, self.sizes):
-            size = (self.data_root / shard["name"]).stat().st_size
+        for shard, count, size in zip(self.shards, self.sizes, self.file_bytes):
             ends = self.start[first : first + count] + self.length[first : first + count]
             beyond = np.nonzero(ends > size)[0]
             if len(beyond):
@@ -305,6 +314,9 @@ class ShardDataset(Dataset):
         self.target_key = index.decode.get("target_key")  # the label inside a .json record
         if self.input_field not in index.fields:
             raise ShardError(f"{index.root}: input field {self.input_field!r} is not among the fields {index.fields}")
+        if transform is None and self.target_field is not None and self.target_field not in index.fields:
+            raise ShardError(f"{index.root}: label field {self.target_field!r} (the manifest's decode.target) is not "
+                             f"among the fields {index.fields}; hint: write the split again")
         if transform is None and self.input_field.rsplit(".", 1)[-1] not in INPUT_EXTS:
             raise ShardError(f"{index.root}: samples hold .{self.input_field} (not an image or array); "
                              "hint: pass transform=fn(sample_dict) -> (tensor, label) to the loader")
@@ -329,7 +341,9 @@ class ShardDataset(Dataset):
         if fd is None:
             if len(self._fds) >= MAX_OPEN_SHARDS:  # thousands of shards: keep descriptors bounded
                 os.close(self._fds.pop(next(iter(self._fds))))
-            fd = self._fds[shard] = os.open(self.index.data_root / self.index.shards[shard]["name"], os.O_RDONLY)
+            # O_NONBLOCK: a shard swapped for a FIFO since the start must not hang the open (pread then fails)
+            fd = self._fds[shard] = os.open(self.index.data_root / self.index.shards[shard]["name"],
+                                            os.O_RDONLY | os.O_NONBLOCK)
             if self.readahead and hasattr(os, "posix_fadvise"):
                 # The epoch reads this whole shard soon, in an order the kernel cannot guess:
                 # ask for all of it now, read sequentially in the background.
@@ -345,7 +359,14 @@ class ShardDataset(Dataset):
         """The decoded fields of one sample (plus ``__key__``), or CorruptSampleError."""
         ix = self.index
         shard, start, length = int(ix.shard_of[gid]), int(ix.start[gid]), int(ix.length[gid])
-        data = os.pread(self._fd(shard), length, start)
+        # never ask for bytes past the end the shard had when opened: a truncated shard under
+        # data.on_corrupt=skip reads short (and is skipped) instead of allocating the index's length
+        fd = self._fd(shard)
+        try:
+            data = os.pread(fd, min(length, max(0, ix.file_bytes[shard] - start)), start)
+        except OSError as err:  # EIO of a bad sector; ESPIPE of a shard replaced by a FIFO
+            raise CorruptSampleError(f"{self._where(gid)}: cannot be read: {err.strerror}; hint: hpctrain data "
+                                     f"verify {ix.root}") from err
         if len(data) != length or zlib.crc32(data) != int(ix.crc[gid]):
             self._raise_corrupt(gid, data)
         sample: dict[str, Any] = {"__key__": ix.keys[gid]}
@@ -372,7 +393,10 @@ class ShardDataset(Dataset):
 
     def _read_or_skip(self, gid: int) -> dict[str, Any] | None:
         try:
-            return self.read(gid)
+            sample = self.read(gid)
+            if self.transform is None:
+                self._label(gid, sample)  # a record without its label is this sample's fault: the policy applies
+            return sample
         except CorruptSampleError as err:
             if self.on_corrupt == "stop":
                 raise
@@ -408,10 +432,19 @@ class ShardDataset(Dataset):
         if self.transform is not None:
             x, y = self.transform(sample)
             return x, int(y)
-        target: Any = sample[self.target_field] if self.target_field else 0
-        if self.target_key is not None:
-            target = target[self.target_key]
-        return sample[self.input_field], int(target)
+        return sample[self.input_field], self._label(-1, sample)
+
+    def _label(self, gid: int, sample: dict[str, Any]) -> int:
+        """The sample's class: its label field, or the ``target_key`` of its .json record."""
+        try:
+            target: Any = sample[self.target_field] if self.target_field else 0
+            if self.target_key is not None:
+                target = target[self.target_key]
+            return int(target)
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            where = self._where(gid) if gid >= 0 else f"sample {sample.get('__key__')!r}"
+            raise CorruptSampleError(f"{where}: no class label ({type(err).__name__}: {err}); hint: hpctrain data "
+                                     f"verify {self.index.root}; data.on_corrupt=skip skips bad samples") from err
 
     def _stack(self, inputs: list[Any]) -> Any:
         """The batch's inputs stacked, as numpy (for a worker's pipe, see PackedBatch): the raw arrays,

@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from hpctrain.data.batch import Batch, batched, pass_batch
+from hpctrain.data.batch import TARGET_KINDS, Batch, BatchedDataset, ItemSpec, batched, pass_batch
 from hpctrain.data.passes import Passes
 from hpctrain.env import ClusterEnv
 
@@ -38,15 +38,19 @@ class MemoryLoader(Passes, Generic[D]):
     """Per-rank batches of a map-style dataset, in DistributedSampler order.
 
     The global order depends only on (seed, epoch), so a run with batch b on N ranks sees
-    exactly the samples of a run with batch N*b on one rank. Each ``iter()`` is a pass over an
-    epoch (:mod:`~hpctrain.data.passes`); ``set_epoch`` picks the epoch (the training loop does).
+    exactly the samples of a run with batch N*b on one rank. ``targets`` says what a dataset's
+    labels must be (the task's ``Task.targets``): ``class`` ids (checked), ``float`` values
+    (regression), ``multilabel`` 0/1 vectors, ``tokens`` (no labels) or ``any`` (unchecked).
+    Each ``iter()`` is a pass over an epoch (:mod:`~hpctrain.data.passes`); ``set_epoch`` picks
+    the epoch (the training loop does).
     """
 
     def __init__(self, dataset: D, env: ClusterEnv, batch_size: int, *, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True, num_workers: int = 0,
-                 prefetch_factor: int = 2, pin_memory: bool = False, persistent_workers: bool = True) -> None:
+                 prefetch_factor: int = 2, pin_memory: bool = False, persistent_workers: bool = True,
+                 targets: str = "class") -> None:
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
-        self._batches = batched(dataset)  # reads a batch at a time: one gather for an ArrayDataset
+        self._batches = _batched(dataset, targets)  # a batch at a time: one gather for an ArrayDataset
         self.num_workers = num_workers
         self.sampler: DistributedSampler[Any] = DistributedSampler(self._batches, num_replicas=env.world_size,
                                                                    rank=env.rank, shuffle=shuffle, seed=seed,
@@ -115,6 +119,13 @@ class MemoryLoader(Passes, Generic[D]):
         self._place()
 
 
+def _batched(dataset: Dataset, targets: str) -> BatchedDataset:
+    """The dataset read a batch at a time, its targets checked as ``targets`` says."""
+    if targets not in TARGET_KINDS:
+        raise ValueError(f"targets={targets!r} is not one of {TARGET_KINDS}")
+    return batched(dataset, ItemSpec(type(dataset).__name__, targets=targets, labelled=targets != "tokens"))
+
+
 def rank_slice(n: int, env: ClusterEnv) -> range:
     """This rank's contiguous share of n samples; shares differ by at most one."""
     return rank_slice_of(n, env.rank, env.world_size)
@@ -125,11 +136,12 @@ def rank_slice_of(n: int, rank: int, world: int) -> range:
 
 
 class EvalLoader(Generic[D]):
-    """This rank's slice of a map-style dataset, in order, in batches; no sample twice."""
+    """This rank's slice of a map-style dataset, in order, in batches; no sample twice.
+    ``targets`` as for :class:`MemoryLoader`."""
 
-    def __init__(self, dataset: D, env: ClusterEnv, batch_size: int) -> None:
+    def __init__(self, dataset: D, env: ClusterEnv, batch_size: int, *, targets: str = "class") -> None:
         self.dataset, self.batch_size = dataset, batch_size
-        self._batches = batched(dataset)
+        self._batches = _batched(dataset, targets)
         self.indices = rank_slice(len(self._batches), env)
 
     def __len__(self) -> int:

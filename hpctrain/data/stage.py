@@ -15,13 +15,22 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hpctrain.data.errors import ShardError
-from hpctrain.data.manifest import data_dir, manifest_path
+from hpctrain.data.manifest import (
+    MAX_JSON_BYTES,
+    data_dir,
+    load_manifest,
+    manifest_path,
+    parse_json,
+    plain_name,
+    read_regular,
+)
 from hpctrain.data.nodeonce import once_per_node
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import RunError, UserError
@@ -66,8 +75,8 @@ def _wanted(source: Path, splits: Sequence[str]) -> dict[str, str]:
     out = {}
     for split in splits:
         path = manifest_path(source, split)
-        if path.is_file():
-            out[split] = hashlib.sha256(path.read_bytes()).hexdigest()
+        if path.is_file():  # bounded, non-blocking: a FIFO or device named like a manifest is refused
+            out[split] = hashlib.sha256(read_regular(path, "manifest")).hexdigest()
     if not out:
         raise ShardError(f"no manifest for splits {list(splits)} in {source}; "
                          f"hint: hpctrain data shard SOURCE {source}")
@@ -75,17 +84,21 @@ def _wanted(source: Path, splits: Sequence[str]) -> dict[str, str]:
 
 
 def is_current(source: Path, target: Path, splits: Sequence[str]) -> bool:
+    """Whether ``target`` holds a verified copy of ``source``'s splits. Never raises for what it
+    finds in ``target`` (the waiting ranks poll it): a broken marker only means "copy again"."""
     marker = _marker(target)
     if not marker.is_file():
         return False
     try:
-        staged = json.loads(marker.read_text())
-    except json.JSONDecodeError:
+        staged = parse_json(read_regular(marker, "stage marker"), "stage marker", marker)
+        if not isinstance(staged, dict) or staged.get("manifests") != _wanted(source, splits):
+            return False
+    except ShardError:
         return False
-    if staged.get("manifests") != _wanted(source, splits):
-        return False
-    files = staged.get("files", {})
-    return bool(files) and all(_unchanged(target / name, rec) for name, rec in files.items())
+    files = staged.get("files")
+    # only plain names: a marker naming ../x must not make a file outside the stage directory count
+    return (isinstance(files, dict) and bool(files)
+            and all(plain_name(name) and _unchanged(target / name, rec) for name, rec in files.items()))
 
 
 def _unchanged(path: Path, record: Any) -> bool:
@@ -97,18 +110,40 @@ def _unchanged(path: Path, record: Any) -> bool:
     return bool(st.st_size == record.get("bytes") and st.st_mtime_ns == record.get("mtime_ns"))
 
 
-def copy_verified(src: Path, dst: Path, sha256: str | None) -> dict[str, Any]:
+def _open_source(src: Path, size: int | None, limit: int | None) -> int:
+    """A descriptor of ``src``, opened without blocking and refused unless it is a regular file of
+    the declared ``size`` (or at most ``limit`` bytes): a FIFO would stall the copy, a device or a
+    sparse giant would stream into the local disk before the sha256 could tell."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        raise ShardError(f"cannot stage {src}: {err.strerror}; hint: hpctrain data verify {src.parent}") from err
+    st = os.fstat(fd)
+    wrong = ("is not a regular file (a FIFO, device or directory)" if not stat.S_ISREG(st.st_mode)
+             else f"is {st.st_size} bytes, the manifest says {size}" if size is not None and st.st_size != size
+             else f"is {st.st_size} bytes, more than the {limit} it can be" if limit is not None and st.st_size > limit
+             else None)
+    if wrong:
+        os.close(fd)
+        raise ShardError(f"cannot stage {src}: it {wrong}; hint: hpctrain data verify {src.parent}")
+    return fd
+
+
+def copy_verified(src: Path, dst: Path, sha256: str | None, size: int | None = None,
+                  limit: int | None = None) -> dict[str, Any]:
     """Copy under a temporary name, hashing the bytes written; fsync; rename (and fsync the
-    directory) only when the hash matches the manifest. Returns what the marker records."""
+    directory) only when the hash matches the manifest. Returns what the marker records.
+    ``size``/``limit``: the source's declared size, or its largest, checked before copying."""
+    fin_fd = _open_source(src, size, limit)
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     sha = hashlib.sha256()
-    size = 0
+    copied = 0
     try:
-        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+        with os.fdopen(fin_fd, "rb") as fin, open(tmp, "wb") as fout:
             while block := fin.read(CHUNK):
                 sha.update(block)
                 fout.write(block)
-                size += len(block)
+                copied += len(block)
             fout.flush()
             os.fsync(fout.fileno())  # on the local disk before anyone reads it, or a crash loses it
     except OSError as err:
@@ -120,7 +155,7 @@ def copy_verified(src: Path, dst: Path, sha256: str | None) -> dict[str, Any]:
         raise StageError(f"staged copy of {src} has sha256 {sha.hexdigest()[:12]}..., the manifest says "
                          f"{sha256[:12]}...; hint: hpctrain data verify {src.parent}")
     replace_durably(tmp, dst)
-    return {"bytes": size, "sha256": sha.hexdigest(), "mtime_ns": dst.stat().st_mtime_ns}
+    return {"bytes": copied, "sha256": sha.hexdigest(), "mtime_ns": dst.stat().st_mtime_ns}
 
 
 def copy_split(source: Path, target: Path, split: str) -> dict[str, dict[str, Any]]:
@@ -129,13 +164,18 @@ def copy_split(source: Path, target: Path, split: str) -> dict[str, dict[str, An
     The tars may live apart from the manifest (``data_dir``: tars indexed where they could
     not be written); the staged manifest then names its own copies."""
     path = manifest_path(source, split)
-    manifest = json.loads(path.read_text())
+    # checked as the loader checks it: plain shard names, indexes beside the manifest or the tars, so
+    # a crafted manifest can neither read from outside data.path nor write outside the stage directory
+    manifest = load_manifest(source, split)
     tars = data_dir(source, manifest)
     files: dict[str, dict[str, Any]] = {}
     for shard in manifest["shards"]:
-        files[shard["name"]] = copy_verified(tars / shard["name"], target / shard["name"], shard["sha256"])
+        files[shard["name"]] = copy_verified(tars / shard["name"], target / shard["name"], shard["sha256"],
+                                             size=shard["bytes"])
         index = Path(shard["index"]).name
-        files[index] = copy_verified(source / shard["index"], target / index, shard.get("index_sha256"))
+        index_sha = shard.get("index_sha256")  # optional: older manifests lack it
+        files[index] = copy_verified(source / shard["index"], target / index,
+                                     index_sha if isinstance(index_sha, str) else None, limit=MAX_JSON_BYTES)
     if "data_dir" in manifest or any(Path(s["index"]).is_absolute() for s in manifest["shards"]):
         manifest.pop("data_dir", None)
         manifest["shards"] = [{**s, "index": Path(s["index"]).name} for s in manifest["shards"]]
@@ -150,7 +190,7 @@ def copy_split(source: Path, target: Path, split: str) -> dict[str, dict[str, An
 def stage_local(source: Path, target: Path, splits: Sequence[str]) -> dict[str, Any]:
     """The copy itself (local rank 0 only); returns what the marker records."""
     wanted = _wanted(source, splits)
-    need = sum(shard["bytes"] for s in wanted for shard in json.loads(manifest_path(source, s).read_text())["shards"])
+    need = sum(shard["bytes"] for s in wanted for shard in load_manifest(source, s)["shards"])
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as err:

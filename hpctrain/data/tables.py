@@ -5,11 +5,16 @@ for ``hpctrain data shard``.
 ``PATH`` is one file (the training split; with ``data shard --split S``, split ``S``), or a
 directory holding ``train.EXT`` and ``val.EXT`` (or ``validation.EXT``, ``test.EXT``); for
 ``hf:``, a saved ``Dataset`` (training split) or ``DatasetDict`` (its splits by name). Columns:
-``data.label_column`` (``--label-column``, default ``label``) holds class ids 0..C-1;
-``data.input_columns`` (``--input-column``, repeatable; default every numeric column but the
-label) give one vector per row, or one column may hold a list per row (token ids, pixels).
-Integer inputs stay integers (int64), floats are float32. The whole table is read into memory;
-pyarrow (and datasets for ``hf:``) are optional packages, asked for with the pip command.
+``data.label_column`` (``--label-column``, default ``label``) holds the targets: class ids
+0..C-1, or for ``train.task=regression`` numbers (a list per row: a vector), for ``multilabel``
+a 0/1 list per row; ``data.label_columns=[a,b]`` stacks several numeric columns into one
+target vector per row. ``data.input_columns`` (``--input-column``, repeatable; default every
+numeric column but the targets, text columns skipped) give one vector per row, or one column may
+hold a list per row (token ids, pixels); several columns of which one holds lists (``input_ids``,
+``attention_mask``, ``token_type_ids``) become a dict of named tensors, which the model takes
+as ``model(**inputs)``. Integer inputs stay integers (int64), floats are float32. The whole
+table is read into memory; pyarrow (and datasets for ``hf:``) are optional packages, asked for
+with the pip command. ``hpctrain data shard`` packs class ids only.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpctrain.data.batch import ArrayDataset, as_model_input
+from hpctrain.data.batch import INPUT_KEYS, ArrayDataset, as_model_input, map_inputs
 from hpctrain.data.config import DataConfig
 from hpctrain.data.errors import DataFormatError, MissingPackageError, ShardError
 from hpctrain.data.files import jsonl_source
@@ -110,8 +115,7 @@ def columns_of(table: Any, name: str, inputs: list[str] | None, label: str) -> t
     columns = list(table.column_names)
     for column in [*(inputs or []), label]:
         if column not in columns:
-            setting = "data.label_column (--label-column)" if column == label else "data.input_columns (--input-column)"
-            raise DataFormatError(f"{name} has no column {column!r}; its columns are {columns}; hint: set {setting}")
+            raise _no_column(table, name, column, column == label)
     chosen = inputs or [c for c in columns if c != label]
     if not chosen:
         raise DataFormatError(f"{name} has no input column besides {label!r}; hint: data.input_columns=[...]")
@@ -124,6 +128,23 @@ def columns_of(table: Any, name: str, inputs: list[str] | None, label: str) -> t
     else:
         x = np.stack(arrays, axis=1)
     return x, _column(table, name, label)
+
+
+def _no_column(table: Any, name: str, column: str, is_label: bool) -> DataFormatError:
+    """A missing column, named. A table without labels whose columns hold text is most likely a
+    corpus for a language model: the hint says how to train on it that way."""
+    columns = list(table.column_names)
+    setting = "data.label_column (--label-column)" if is_label else "data.input_columns (--input-column)"
+    text = [c for c in columns if _is_text(table, c)] if is_label else []
+    lm = (f", or train a language model on its text column {text[0]!r}: train.task=causal_lm "
+          f"data.input_key={text[0]}") if text else ""
+    return DataFormatError(f"{name} has no column {column!r}; its columns are {columns}; hint: set {setting}{lm}")
+
+
+def _is_text(table: Any, column: str) -> bool:
+    pa = _optional("pyarrow", "pyarrow", "table")
+    kind = table.schema.field(column).type
+    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind))
 
 
 def _column(table: Any, name: str, column: str) -> np.ndarray:
@@ -166,27 +187,105 @@ def labelled_arrays(kind: str, table: Any, name: str, inputs: list[str] | None, 
     return x, y.astype(np.int64), count
 
 
+# ---------------------------------------------------------------- a run's tables: any target, named inputs
+
+Inputs = np.ndarray | dict[str, np.ndarray]
+
+
+def _numeric(table: Any, column: str) -> bool:
+    pa = _optional("pyarrow", "pyarrow", "table")
+    kind = table.schema.field(column).type
+    while pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        kind = kind.value_type
+    return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind))
+
+
+def run_inputs(kind: str, table: Any, name: str, inputs: list[str] | None, labels: list[str]) -> Inputs:
+    """The inputs of a run's table: one array (numbers stacked into a vector per row, or one
+    list column), or, for several columns with lists among them, a dict by column name."""
+    columns = list(table.column_names)
+    for column in [*(inputs or []), *labels]:
+        if column not in columns:
+            raise _no_column(table, name, column, column in labels)
+    # hf: a tokenized dataset keeps its text column beside the token ids: skipped by default there;
+    # elsewhere a text column is refused, named (it is likely a feature not yet encoded)
+    chosen = inputs or [c for c in columns if c not in labels and (kind != "hf" or _numeric(table, c))]
+    if not chosen:
+        raise DataFormatError(f"{name} has no numeric input column besides {labels}; hint: tokenize text columns "
+                              "first, or name them with data.input_columns=[...]")
+    arrays = {c: _column(table, name, c) for c in chosen}
+    if len(arrays) > 1 and any(a.ndim > 1 for a in arrays.values()):
+        first = next((k for k in INPUT_KEYS if k in arrays), chosen[0])  # the main input first
+        return {first: arrays[first], **{k: v for k, v in arrays.items() if k != first}}
+    if len(arrays) == 1:
+        only = arrays[chosen[0]]
+        return only if only.ndim > 1 else only[:, None]  # one feature: still a vector per row
+    return np.stack(list(arrays.values()), axis=1)
+
+
+def run_targets(kind: str, table: Any, name: str, labels: list[str], targets: str,
+                num_classes: int | None) -> tuple[np.ndarray, int | None]:
+    """The targets as ``targets`` (the task's kind) wants them and the class count (None: not
+    class ids): class ids checked, float values, 0/1 vectors checked, or as they are (``any``)."""
+    arrays = [_column(table, name, c) for c in labels]
+    y = arrays[0] if len(arrays) == 1 else np.stack(arrays, axis=1)
+    where = _where(name, kind, labels[0] if len(labels) == 1 else str(labels))
+    if targets == "any" and y.ndim == 1 and y.dtype.kind in "iu":  # class ids, unchecked: train.loss reads them
+        return y.astype(np.int64), num_classes or (int(y.max()) + 1 if len(y) else 0)
+    if targets == "class":
+        if y.ndim != 1:
+            raise DataFormatError(f"{name}: {labels} hold {y.shape[1:]} values per row; classification needs one "
+                                  "class id per row; hint: train.task=multilabel for 0/1 vectors, "
+                                  "train.task=regression for values")
+        fractional = np.flatnonzero(y != np.round(y)) if y.dtype.kind == "f" else np.zeros(0, dtype=np.int64)
+        if len(fractional):
+            i = int(fractional[0])
+            raise DataFormatError(f"{where(i)} has label {y[i].item()!r}, not a whole number: classification needs "
+                                  "class ids 0..C-1; hint: train.task=regression for float targets")
+        return y.astype(np.int64), check_labels(y, where, num_classes)
+    if targets == "multilabel":
+        if y.ndim != 2 or not bool(np.isin(y, (0, 1)).all()):
+            bad = 0 if y.ndim != 2 else int(np.flatnonzero(~np.isin(y, (0, 1)).all(1))[0])
+            raise DataFormatError(f"{where(bad)}: multilabel needs a 0/1 vector per row; hint: a list column, or "
+                                  "data.label_columns=[a,b,...] naming 0/1 columns")
+        return y.astype(np.float32), None
+    if y.dtype.kind == "b" or targets == "float":
+        return y.astype(np.float32), None
+    return (y.astype(np.float32) if y.dtype.kind == "f" else y), None
+
+
+def target_width(y: np.ndarray) -> int:
+    """Values per sample: what a model predicting the targets outputs (num_classes for its factory)."""
+    return int(np.prod(y.shape[1:])) if y.ndim > 1 else 1
+
+
 # ---------------------------------------------------------------- source hooks
 
 
-def table_splits(data: DataConfig, arg: str, seed: int) -> UserData:
-    """Source hook (``data.name=csv:PATH`` and the like): the splits in memory, labels checked."""
+def table_splits(data: DataConfig, arg: str, seed: int, targets: str = "class") -> UserData:
+    """Source hook (``data.name=csv:PATH`` and the like): the splits in memory, targets as
+    ``targets`` (the task's kind) wants them."""
     kind = data.name.partition(":")[0]
     train = load_split_table(kind, arg, "train")
     if train is None:
         raise DataFormatError(f"{kind}:{arg} has no training split; hint: a file, or a directory with "
                               f"train{EXTENSIONS.get(kind, ('',))[0]}")
-    x, y, count = labelled_arrays(kind, *train, data.input_columns, data.label_column, None)
+    labels = list(data.label_columns or [data.label_column])
+    x = run_inputs(kind, *train, data.input_columns, labels)
+    y, count = run_targets(kind, *train, labels, targets, None)
+    width = count if count is not None else target_width(y)
     val_table = load_split_table(kind, arg, data.val_split)
     val = None
     if val_table is not None:
-        vx, vy, _ = labelled_arrays(kind, *val_table, data.input_columns, data.label_column, count)
-        val = _dataset(vx, vy, count, val_table[1])
-    return UserData(data.name, _dataset(x, y, count, train[1]), val, count)
+        vx = run_inputs(kind, *val_table, data.input_columns, labels)
+        vy, _ = run_targets(kind, *val_table, labels, targets, count)
+        val = _dataset(vx, vy, width, val_table[1])
+    return UserData(data.name, _dataset(x, y, width, train[1]), val, width)
 
 
-def _dataset(x: np.ndarray, y: np.ndarray, count: int, name: str) -> ArrayDataset:
-    return ArrayDataset(as_model_input(torch.from_numpy(np.array(x))), torch.from_numpy(np.array(y)), count, name)
+def _dataset(x: Inputs, y: np.ndarray, count: int, name: str) -> ArrayDataset:
+    inputs = map_inputs(x, lambda a: as_model_input(torch.from_numpy(np.array(a))))
+    return ArrayDataset(inputs, torch.from_numpy(np.array(y)), count, name)
 
 
 def _pack(kind: str, path: str, split: str, options: PackOptions) -> PackSource:

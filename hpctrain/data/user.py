@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from hpctrain.data.batch import (
+    COMPANION_KEYS,
     INPUT_KEYS,
     LABEL_KEYS,
     ArrayDataset,
@@ -69,7 +70,9 @@ def imported_splits(data: DataConfig, arg: str, seed: int) -> UserData:
     """Source hook: the mapping ``package.module:NAME`` gives (``arg`` is the whole import path)."""
     obj = load_import_path("data.name", arg, DataFormatError)
     if callable(obj) and not isinstance(obj, Mapping):
-        obj = _call(arg, obj, {"path": data.path, "seed": seed})
+        # data.path unset: the factory's own path= default stays (None would overwrite it)
+        offered: dict[str, Any] = {"seed": seed} if data.path is None else {"path": data.path, "seed": seed}
+        obj = _call(arg, obj, offered)
     return from_mapping(arg, obj, data.val_split)
 
 
@@ -115,21 +118,29 @@ def _is_hf(dataset: Any) -> bool:
     return type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "with_format")
 
 
-def spec_for(user: UserData, data: DataConfig, split: str, num_classes: int | None) -> ItemSpec:
-    """How ``split``'s items become batches (keys, collate, the label range to check)."""
+def spec_for(user: UserData, data: DataConfig, split: str, num_classes: int | None,
+             targets: str = "class") -> ItemSpec:
+    """How ``split``'s items become batches (keys, collate, inputs by name, the targets to check:
+    ``targets`` is the task's kind, hpctrain.data.batch.TARGET_KINDS)."""
     collate = load_import_path("data.collate", data.collate, DataFormatError) if data.collate else None
+    labelled = user.task == CLASSIFICATION
     return ItemSpec(f"data.name={user.name} {split}", data.input_key, data.label_key, collate, num_classes,
-                    labelled=user.task == CLASSIFICATION)
+                    labelled=labelled, targets=targets if labelled else "tokens",
+                    input_columns=tuple(data.input_columns or ()))
 
 
 def hf_view(dataset: Any, data: DataConfig) -> Any:
-    """A Hugging Face dataset as torch tensors, only the input and label columns (strings stay out)."""
+    """A Hugging Face dataset as torch tensors, only the columns a batch reads (strings stay out):
+    data.input_columns, or the input key and its companions (attention_mask, token_type_ids,
+    ...), and the label."""
     columns = list(dataset.column_names or [])
-    chosen = [c for c in (data.input_key, data.label_key) if c is not None]
+    chosen = [c for c in (*(data.input_columns or ()), data.input_key, data.label_key) if c is not None]
     for key, candidates in ((data.input_key, INPUT_KEYS), (data.label_key, LABEL_KEYS)):
-        if key is None:
+        if key is None and not (candidates is INPUT_KEYS and data.input_columns):
             chosen += [c for c in candidates if c in columns][:1]
-    return dataset.with_format("torch", columns=[c for c in chosen if c in columns] or None)
+    if not data.input_columns:
+        chosen += [c for c in COMPANION_KEYS if c in columns]
+    return dataset.with_format("torch", columns=[c for c in dict.fromkeys(chosen) if c in columns] or None)
 
 
 def class_count(user: UserData, data: DataConfig, model_classes: int | None) -> int | None:
@@ -169,8 +180,12 @@ def is_stream(dataset: Any) -> bool:
 # ---------------------------------------------------------------- IterableDataset
 
 
+ENDLESS = 2**53  # samples of a stream without __len__ until bound_stream sizes it (a JSON-safe int)
+
+
 class StreamLoader(Passes):
-    """Training batches of an ``IterableDataset`` that has ``__len__`` (samples per epoch).
+    """Training batches of an ``IterableDataset``: an epoch is its ``__len__`` samples, or, for a
+    stream without one, ``data.max_train_samples`` or the run's ``train.max_steps`` (:func:`bound_stream`).
 
     Every rank reads the same stream in the training process: global step ``s`` takes its items
     ``[s*B*W, (s+1)*B*W)`` and rank ``r`` the ``r``-th block of ``B``, the plan the shards follow
@@ -181,10 +196,8 @@ class StreamLoader(Passes):
 
     def __init__(self, dataset: IterableDataset, items: ItemDataset, env: ClusterEnv, batch_size: int, *,
                  drop_last: bool = True, max_samples: int | None = None, name: str = "data") -> None:
-        if not hasattr(dataset, "__len__"):
-            raise DataFormatError(f"{name}: the IterableDataset {type(dataset).__name__} has no __len__; hint: "
-                                  "define __len__ (samples per epoch): the loop plans its steps from it")
-        total = len(dataset)
+        self.endless = not hasattr(dataset, "__len__") and not max_samples  # sized later by bound_stream
+        total = len(dataset) if hasattr(dataset, "__len__") else (max_samples or ENDLESS)
         self.dataset, self.items, self.env, self.name = dataset, items, env, name
         self.batch_size, self.drop_last = batch_size, drop_last
         self.num_samples = min(total, max_samples or total)
@@ -198,6 +211,17 @@ class StreamLoader(Passes):
 
     def __len__(self) -> int:
         return remaining_batches(self.num_samples, 0, self.batch_size, self.env.world_size, self.drop_last)
+
+    def bound(self, max_steps: int | None, grad_accum: int) -> int:
+        """A stream without ``__len__``: one epoch is the run's ``max_steps`` optimizer steps
+        (their samples); without max_steps the run would never end, so it is refused."""
+        if max_steps is None:
+            raise DataFormatError(f"{self.name}: the IterableDataset {type(self.dataset).__name__} has no __len__, "
+                                  "so the run cannot know when to stop; hint: set train.max_steps (or "
+                                  "data.max_train_samples as the samples of one epoch, or define __len__)")
+        self.num_samples = max_steps * grad_accum * self.batch_size * self.env.world_size
+        self.endless = False
+        return self.num_samples
 
     def _rewind(self) -> None:
         self.batches_done, self._position = 0, 0
@@ -261,6 +285,14 @@ class StreamLoader(Passes):
                         "run restarts epoch %d from its first sample; hint: make it Stateful to resume exactly",
                         self.name, type(self.dataset).__name__, self.epoch)
         self._place()
+
+
+def bound_stream(loader: object, max_steps: int | None, grad_accum: int) -> int | None:
+    """The training samples of a stream without ``__len__`` once sized by ``train.max_steps``
+    (:meth:`StreamLoader.bound`); None for any other loader."""
+    if isinstance(loader, StreamLoader) and loader.endless:
+        return loader.bound(max_steps, grad_accum)
+    return None
 
 
 def materialize(dataset: IterableDataset, limit: int | None = None) -> list[Any]:

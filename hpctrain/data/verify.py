@@ -3,6 +3,7 @@ every tar header at its indexed offset, and each sample's CRC-32; problems name 
 
 from __future__ import annotations
 
+import os
 import re
 import tarfile
 import zlib
@@ -45,7 +46,8 @@ def verify(root: str | Path, split: str, *, deep: bool = True) -> list[Problem]:
     problems: list[Problem] = []
     labels = label_spec(manifest)
     for shard in manifest["shards"]:
-        problems += verify_shard(root, shard, deep=deep, tars=data_dir(root, manifest), labels=labels)
+        problems += verify_shard(root, shard, deep=deep, tars=data_dir(root, manifest), labels=labels,
+                                 fields=manifest["fields"])
     return problems
 
 
@@ -109,14 +111,16 @@ def unlisted_shards(root: str | Path) -> list[Problem]:
 
 
 def verify_shard(root: Path, shard: dict[str, Any], *, deep: bool = True, tars: Path | None = None,
-                 labels: tuple[str, int] | None = None) -> list[Problem]:
+                 labels: tuple[str, int] | None = None, fields: list[str] | None = None) -> list[Problem]:
     """``tars``: the directory of the tar files when it is not ``root`` (see :func:`data_dir`);
-    ``labels``: the label field and class count to check each label against (:func:`label_spec`)."""
-    path = (tars or root) / shard["name"]
+    ``labels``: the label field and class count to check each label against (:func:`label_spec`);
+    ``fields``: the manifest's, which the index must list."""
+    path = (tars or root) / shard["name"]  # a plain file name: load_manifest refuses any other
     if not path.is_file():
-        return [Problem(shard["name"], None, "file is missing")]
+        return [Problem(shard["name"], None, "not a regular file (a FIFO, device or directory)" if path.exists()
+                        else "file is missing")]
     try:
-        index = load_index(root, shard)
+        index = load_index(root, shard, fields)
     except ShardError as err:
         return [Problem(shard["name"], None, str(err))]
     problems = []
@@ -140,25 +144,34 @@ def _first_beyond(index: dict[str, Any], size: int) -> str | None:
 
 
 def _check_samples(path: Path, name: str, index: dict[str, Any], labels: tuple[str, int] | None) -> list[Problem]:
+    """Each sample read by its own range (never the whole file: a shard can be larger than memory),
+    ranges that :func:`load_index` checked, clamped to the file's size."""
     problems = []
-    raw = path.read_bytes()
     fields = index["fields"]
-    for i, key in enumerate(index["keys"]):
-        start, end = index["start"][i], index["end"][i]
-        chunk = raw[start:end]
-        if len(chunk) != end - start:
-            problems.append(Problem(name, key, f"bytes {start}..{end} lie beyond the end of the file ({len(raw)})"))
-            continue
-        if zlib.crc32(chunk) != index["crc32"][i]:
-            problems.append(Problem(name, key, "CRC-32 differs from the index (corrupt bytes)"))
-            continue
-        found = _check_headers(raw, name, key, start, fields, index["offsets"][i])
-        if not found and labels is not None and labels[0] in fields:
-            j = fields.index(labels[0])
-            off, size = start + index["offsets"][i][2 * j], index["offsets"][i][2 * j + 1]
-            found = _check_label(raw[off : off + size], name, key, labels)
-        problems += found
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        for i, key in enumerate(index["keys"]):
+            start, end = int(index["start"][i]), int(index["end"][i])
+            chunk = os.pread(fh.fileno(), max(0, min(end, size) - start), start) if end > start else b""
+            if len(chunk) != end - start:
+                problems.append(Problem(name, key, f"bytes {start}..{end} lie beyond the end of the file ({size})"))
+                continue
+            if zlib.crc32(chunk) != index["crc32"][i]:
+                problems.append(Problem(name, key, "CRC-32 differs from the index (corrupt bytes)"))
+                continue
+            problems += _check_fields(chunk, name, key, fields, index["offsets"][i], labels)
     return problems
+
+
+def _check_fields(chunk: bytes, name: str, key: str, fields: list[str], offsets: Any,
+                  labels: tuple[str, int] | None) -> list[Problem]:
+    """The tar headers of one sample (``chunk``: its bytes), then its label."""
+    found = _check_headers(chunk, name, key, 0, fields, offsets)
+    if not found and labels is not None and labels[0] in fields:
+        j = fields.index(labels[0])
+        off, size = int(offsets[2 * j]), int(offsets[2 * j + 1])
+        found = _check_label(chunk[off : off + size], name, key, labels)
+    return found
 
 
 def _check_label(data: bytes, name: str, key: str, labels: tuple[str, int]) -> list[Problem]:
@@ -175,7 +188,7 @@ def _check_label(data: bytes, name: str, key: str, labels: tuple[str, int]) -> l
     return []
 
 
-def _check_headers(raw: bytes, name: str, key: str, start: int, fields: list[str], offsets: list[int]) -> list[Problem]:
+def _check_headers(raw: bytes, name: str, key: str, start: int, fields: list[str], offsets: Any) -> list[Problem]:
     """The tar header right before each field must name <key>.<ext> with the indexed size."""
     for j, ext in enumerate(fields):
         off, size = start + offsets[2 * j], offsets[2 * j + 1]

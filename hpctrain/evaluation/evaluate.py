@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hpctrain.data import EvalBatches
-from hpctrain.data.batch import Batch
+from hpctrain.data.batch import Batch, map_inputs
 from hpctrain.env import ClusterEnv, collective_device
 from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.precision import Precision
@@ -57,7 +57,12 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
     shard); every rank of the world calls this, each with its own dp group."""
     task = task or Classification()
     start = time.perf_counter()
-    net = model.module if isinstance(model, DistributedDataParallel) else model  # no DDP syncs in eval
+    # no DDP syncs in eval; its buffers made rank 0's first, so every rank validates the model
+    # rank 0 saves (DDP broadcasts them only at its next training forward)
+    from hpctrain.parallel.buffers import ddp_sync_buffers
+
+    ddp_sync_buffers(model)
+    net = model.module if isinstance(model, DistributedDataParallel) else model
     was_training = net.training
     net.eval()
     for metric in metrics:
@@ -71,7 +76,7 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
             for metric in metrics:
                 metric.update(out)
             if collect_predictions:
-                predictions += _prediction_rows(out)
+                predictions += _prediction_rows(out, task.name)
     finally:
         net.train(was_training)
     merged = _merge(metrics, env, group)
@@ -90,19 +95,32 @@ def sum_over_ranks(*values: float) -> tuple[Any, ...]:
 
 
 def evaluate_dataset(model: nn.Module, dataset: Any, batch_size: int = 256, *,
-                     metrics: Sequence[Metric] | None = None) -> EvalResult:
+                     metrics: Sequence[Metric] | None = None, task: Task | str | None = None) -> EvalResult:
     """The exact loss and accuracy of ``model`` over a map-style ``dataset`` of ``(input, target)``,
     every sample once across the ranks (contiguous slices: no DistributedSampler padding), the
     same result on every rank: what a loop of your own calls in place of a rank's own test loop.
     Every rank calls it. The loss is cross-entropy, which on log-probabilities (a final
-    ``log_softmax``) equals ``nll_loss``."""
+    ``log_softmax``) equals ``nll_loss``. ``task`` (a name or a Task: ``regression``,
+    ``multilabel``, ...) reads the targets and gives the metrics its own way."""
     from hpctrain.data.memory import EvalLoader
     from hpctrain.env import detect
     from hpctrain.evaluation.metrics import Accuracy, MeanLoss
+    from hpctrain.tasks import build_task
 
     env = detect()
     device = next(model.parameters()).device
-    return evaluate(model, EvalLoader(dataset, env, batch_size), metrics or [MeanLoss(), Accuracy()], env, device)
+    chosen = build_task(task) if isinstance(task, str) else task
+    if chosen is None or chosen.name == "classification":
+        return evaluate(model, EvalLoader(dataset, env, batch_size), metrics or [MeanLoss(), Accuracy()], env, device,
+                        task=chosen)
+    loader = EvalLoader(dataset, env, batch_size, targets=chosen.targets)
+    return evaluate(model, loader, metrics or chosen.metrics(_label_count(loader)), env, device, task=chosen)
+
+
+def _label_count(loader: Any) -> int:
+    """Labels per sample of a loader's first batch (a multilabel task's metrics need it)."""
+    targets = loader.template().targets
+    return int(targets[0].numel()) if targets.dim() > 1 else 1
 
 
 def lockstep(loader: EvalBatches, env: ClusterEnv, device: torch.device) -> Iterator[Batch]:
@@ -120,7 +138,7 @@ def lockstep(loader: EvalBatches, env: ClusterEnv, device: torch.device) -> Iter
 
 def _padding(like: Batch) -> Batch:
     """One all-zero sample with mask 0: it runs through forward but counts nowhere."""
-    return Batch(torch.zeros_like(like.inputs[:1]), torch.zeros_like(like.targets[:1]), [],
+    return Batch(map_inputs(like.inputs, lambda t: torch.zeros_like(t[:1])), torch.zeros_like(like.targets[:1]), [],
                  torch.zeros(1, dtype=torch.bool))
 
 
@@ -132,11 +150,14 @@ def _all_reduce_max(value: int, env: ClusterEnv, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def _prediction_rows(out: EvalOutput) -> list[dict[str, Any]]:
+def _prediction_rows(out: EvalOutput, task: str = "classification") -> list[dict[str, Any]]:
     """One row per sample; for a token task the prediction and target are token lists and
-    the loss is the sample's mean over its tokens."""
+    the loss is the sample's mean over its tokens; regression predicts its values, multilabel
+    its 0/1 vector (a logit > 0)."""
     keys = out.keys.tolist() if isinstance(out.keys, torch.Tensor) else list(out.keys)
-    preds = out.logits.argmax(-1).tolist()
+    by_task = {"regression": lambda: out.logits, "custom": lambda: out.logits,
+               "multilabel": lambda: (out.logits > 0).long()}
+    preds = by_task.get(task, lambda: out.logits.argmax(-1))().tolist()
     losses = out.losses.flatten(1).mean(1) if out.losses.dim() > 1 else out.losses
     return [{"key": k, "prediction": p, "target": t, "loss": loss}
             for k, p, t, loss in zip(keys, preds, out.targets.tolist(), losses.tolist())]

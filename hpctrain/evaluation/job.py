@@ -13,10 +13,12 @@ from hpctrain.config import Config
 from hpctrain.data import build_val_loader
 from hpctrain.errors import HpctrainError, UserError, agree
 from hpctrain.evaluation.evaluate import evaluate, write_predictions
-from hpctrain.models import build_model
+from hpctrain.evaluation.metrics import user_metrics
+from hpctrain.models.registry import resolve_num_classes
 from hpctrain.precision import Precision
 from hpctrain.rundir import write_json
-from hpctrain.tasks import Task, resolve_task
+from hpctrain.tasks import Task, data_targets, resolve_task
+from hpctrain.tasks.inputs import build_task_model
 from hpctrain.weights.load import load_weights_file
 
 log = logging.getLogger("hpctrain")
@@ -59,25 +61,48 @@ def run_eval(cfg: Config, weights: Path, out_dir: Path | None = None, prediction
         # Every rank loads; one rank's failure fails all of them here, never in evaluate's collectives.
         loader, num_classes, model, task = agree("loading the eval data and weights",
                                                  lambda: _prepare(cfg, env, weights))
-        result = evaluate(model.to(device), loader, task.metrics(num_classes), env, device,
+        metrics = [*task.metrics(num_classes), *user_metrics(cfg.train.metrics)]
+        result = evaluate(model.to(device), loader, metrics, env, device,
                           Precision(cfg.precision, device), collect_predictions=predictions, task=task)
         report = {**result.metrics, "samples_per_s": result.samples_per_s, "world_size": env.world_size,
                   "weights": str(weights), "split": cfg.data.val_split, "data": cfg.data.name, "task": task.name}
         target = out_dir or weights.parent
-        agree("writing the eval results", lambda: _write(report, result.predictions if predictions else None,
-                                                         target) if env.is_main else None)
+        rows = named_predictions(result.predictions, loader) if predictions else None
+        agree("writing the eval results", lambda: _write(report, rows, target) if env.is_main else None)
         return report
     finally:
         cluster.teardown()
 
 
+def named_predictions(rows: list[dict[str, Any]], loader: Any) -> list[dict[str, Any]]:
+    """Prediction rows keyed by the dataset's own sample names where it has them (an image
+    folder's file names, ``sample_name(index)``), the index kept as ``index``; else as they are."""
+    name_of = _sample_names(loader)
+    if name_of is None:
+        return rows
+    return [{**row, "key": name_of(int(row["key"])), "index": row["key"]} for row in rows]
+
+
+def _sample_names(loader: Any) -> Any:
+    """``sample_name`` of the dataset inside the loader's wrappers (each holds the next as ``dataset``)."""
+    inner = getattr(loader, "dataset", None)
+    for _ in range(4):  # loader -> items -> (subset ->) the user's dataset
+        name_of = getattr(inner, "sample_name", None)
+        if callable(name_of):
+            return name_of
+        inner = getattr(inner, "dataset", None)
+    return None
+
+
 def _prepare(cfg: Config, env: cluster.ClusterEnv, weights: Path) -> tuple[Any, int, torch.nn.Module, Task]:
     val = build_val_loader(cfg.data, env, seed=cfg.seed, seq_len=cfg.model.seq_len,
-                           num_classes=cfg.model.num_classes)
-    task = resolve_task(cfg.train.task, val.layout.task, cfg.data.name)
-    num_classes = cfg.model.num_classes or val.layout.num_classes
-    model = build_model(cfg.model.name, num_classes, input_shape=val.layout.input_shape,
-                        input_dtype=val.layout.input_dtype, config=cfg.model, task=task.name)
+                           num_classes=cfg.model.num_classes, targets=data_targets(cfg.train.task, cfg.train.loss))
+    task = resolve_task(cfg.train.task, val.layout.task, cfg.data.name, loss=cfg.train.loss,
+                        class_targets=val.layout.class_targets)
+    num_classes = resolve_num_classes(cfg.model, val.layout.num_classes, val.layout.input_shape,
+                                      val.layout.input_dtype, cfg.data.name)
+    model = build_task_model(task, cfg.model.name, num_classes, val.layout.input_shape, val.layout.input_dtype,
+                             cfg.model)
     load_weights(model, weights)
     return val.loader, num_classes, model, task
 
@@ -92,5 +117,5 @@ def _write(report: dict[str, Any], predictions: list[dict[str, Any]] | None, tar
     except OSError as err:
         raise EvalOutputError(f"cannot write the eval results to {target}: {err}; hint: pass --out DIR "
                               "(a writable directory)") from err
-    shown = ("count", "tokens", "correct", "accuracy", "loss", "perplexity")
+    shown = ("count", "tokens", "correct", "accuracy", "loss", "perplexity", "mae", "f1")
     log.info("eval: %s -> %s", "  ".join(f"{k} {report[k]:.6g}" for k in shown if k in report), target / "eval.json")

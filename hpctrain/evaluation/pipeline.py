@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.data import EvalBatches
-from hpctrain.data.batch import Batch
+from hpctrain.data.batch import Batch, main_input, map_inputs
 from hpctrain.env import ClusterEnv
 from hpctrain.evaluation.evaluate import EvalResult, lockstep
 from hpctrain.evaluation.metrics import Metric
@@ -58,10 +58,11 @@ def pad_batch(batch: Batch, size: int) -> Batch:
     def grow(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) if extra else t
 
-    mask = batch.mask if batch.mask is not None else torch.ones(real, dtype=torch.bool, device=batch.inputs.device)
+    device = main_input(batch.inputs).device
+    mask = batch.mask if batch.mask is not None else torch.ones(real, dtype=torch.bool, device=device)
     keys: torch.Tensor | list[str] = grow(batch.keys) if isinstance(batch.keys, torch.Tensor) else [
         *batch.keys, *[""] * extra]
-    return Batch(grow(batch.inputs), grow(batch.targets), keys, grow(mask.bool()))
+    return Batch(map_inputs(batch.inputs, grow), grow(batch.targets), keys, grow(mask.bool()))
 
 
 @torch.no_grad()

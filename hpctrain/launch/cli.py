@@ -94,15 +94,18 @@ def _run_program(args: argparse.Namespace, program: list[str]) -> int:
 def _add_slurm(sub: Any) -> None:
     p = sub.add_parser("slurm", help="write (and submit) an sbatch script; `slurm status|cancel RUN_DIR`",
                        description="hpctrain slurm [CONFIG] [key=value ...] --nodes N --time T [options] "
-                                   "[--dry-run | --submit];  hpctrain slurm --nodes N --time T [options] -- "
-                                   "SCRIPT.py [ARGS] (or python -m MODULE [ARGS]);  "
+                                   "[--dry-run | --submit];  hpctrain slurm --nodes N --time T [options] "
+                                   "SCRIPT.py [ARGS] (or python -m MODULE [ARGS]; every word from the script on is "
+                                   "the script's);  "
                                    "hpctrain slurm status|cancel RUN_DIR")
+    p.__class__ = _SlurmParser  # a program's own options after SCRIPT.py are its own (as `hpctrain run` takes them)
     p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value] | status RUN_DIR | cancel RUN_DIR")
     p.add_argument("--nodes", type=int, help="nodes (one srun task each, starting that node's ranks)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node = ranks per node (0: CPU nodes)")
     p.add_argument("--nproc-per-node", type=int, help="ranks per node on CPU nodes (default 1)")
     p.add_argument("--gres", help="instead of --gpus-per-node, e.g. gpu:a100:4 (must agree with it if both)")
-    p.add_argument("--cpus-per-task", type=int, help="CPUs per node's task; OMP_NUM_THREADS = this / ranks per node")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs per node's task; OMP_NUM_THREADS = this / ranks per node "
+                                                       "(left out: a warning, and the CPUs the job got / ranks)")
     p.add_argument("--mem", help="memory per node, e.g. 200G")
     p.add_argument("--time", help="wall-clock limit, HH:MM:SS (or any Slurm time format)")
     p.add_argument("--partition")
@@ -134,6 +137,38 @@ def _add_slurm(sub: Any) -> None:
     p.set_defaults(func=cmd_slurm)
 
 
+class _SlurmParser(argparse.ArgumentParser):
+    """``hpctrain slurm [options] SCRIPT.py ARGS``: from the first script word on (``SCRIPT.py``,
+    ``python ...``, or after ``--``), the words are the program's command line, its options
+    included; the words before it are hpctrain slurm's own."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        head, program = _split_program(self, list(sys.argv[1:] if args is None else args))
+        parsed, extra = super().parse_known_args(head, namespace)
+        if program:
+            parsed.config_args = [*parsed.config_args, *program]
+        return parsed, extra
+
+
+def _split_program(parser: argparse.ArgumentParser, words: list[str]) -> tuple[list[str], list[str]]:
+    """(hpctrain slurm's words, the program's words): the program starts at ``--`` or at the first
+    positional word that names a script (``*.py``, not a key=value) or a Python interpreter."""
+    pythons = ("python", "python3", Path(sys.executable).name)
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            return words[:i], words[i + 1 :]
+        if word.startswith("-"):
+            action = parser._option_string_actions.get(word.split("=", 1)[0])
+            i += 2 if action is not None and action.nargs != 0 and "=" not in word else 1  # skip its value
+            continue
+        if "=" not in word and (word.endswith(".py") or Path(word).name in pythons):
+            return words[:i], words[i:]
+        i += 1
+    return words, []
+
+
 def cmd_slurm(args: argparse.Namespace) -> int:
     action = args.config_args[:1]
     if action in (["status"], ["cancel"]):
@@ -160,6 +195,9 @@ def _slurm_write(args: argparse.Namespace) -> int:
         run_dir=args.run_dir)
     plan = slurm.plan_job(opts, args.config_args)
     text = slurm.render(plan)
+    warning = slurm.missing_cpus_warning(plan)
+    if warning:
+        print(f"hpctrain slurm: warning: {warning}", file=sys.stderr)
     if args.dry_run:
         sys.stdout.write(text)
         return 0

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from hpctrain.errors import UserError
+
 Runtime = Literal["apptainer", "pyxis"]
 RUNTIMES: tuple[Runtime, ...] = ("apptainer", "pyxis")
 
@@ -43,6 +45,26 @@ class Container:
         words += ["--bind", shlex.quote(",".join(self.mounts)), "--pwd", shlex.quote(self.workdir),
                   shlex.quote(self.image)]
         return words
+
+
+# Apptainer's --bind and Pyxis' --container-mounts are lists of SRC[:DST[:OPTIONS]] joined by commas,
+# and neither has a way to escape either separator: a path holding one would add a mount of its own
+# (`/data/x,/root/.ssh:/data/x` mounts the host's ~/.ssh). Such a path is refused, never escaped.
+MOUNT_SEPARATORS = (",", ":")
+
+
+class MountError(UserError):
+    """A path to mount holds a character the container runtime reads as a list separator."""
+
+
+def check_mount(what: str, path: str, runtime: Runtime) -> None:
+    """Refuse (exit 2, naming the value) a mount path the runtime's mount list would split."""
+    found = [c for c in MOUNT_SEPARATORS if c in path]
+    if found:
+        option = "--bind" if runtime == "apptainer" else "--container-mounts"
+        raise MountError(f"{what} {path!r} holds {' and '.join(repr(c) for c in found)}, which {runtime}'s {option} "
+                         f"list reads as separators (it has no escape): the job would mount other paths than this "
+                         f"one; hint: rename or move it to a path without ',' and ':' (links are resolved)")
 
 
 def unique_paths(paths: Sequence[str]) -> tuple[str, ...]:

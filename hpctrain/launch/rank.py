@@ -1,4 +1,7 @@
-"""A rank ends when the launcher that started it dies.
+"""A rank's life under ``hpctrain run``: it ends with its launcher, it sees the launcher's
+world in Slurm's variables too, and when another rank dies first it says so.
+
+**It ends when the launcher that started it dies.**
 
 torchrun's agent (inside ``hpctrain run``, or ``torchrun`` itself) starts each rank in a
 session of its own, so that it alone decides which signals reach the ranks. The price: a
@@ -8,6 +11,19 @@ runtime stopping the launcher) never reaches the ranks, which went on training w
 ``PR_SET_PDEATHSIG`` has the kernel send a signal to a process when its parent dies: each
 rank asks for SIGKILL. That is safe for the run: checkpoints commit atomically, and the
 restart resumes from the last committed one (tests/checkpoint/test_preempt.py).
+
+**Slurm's variables describe torchrun's world.** A library that reads Slurm's variables
+(Lightning's ``SLURMEnvironment``, submitit) would see srun's task (one per node, so
+``SLURM_NTASKS`` = nodes, not ranks) inside an ``hpctrain slurm`` step, and nothing at all on
+a laptop (``KeyError: 'SLURM_NODEID'``). A user's program therefore starts through
+:func:`main` (``python -m hpctrain.launch.rank SCRIPT.py ARGS``), which sets them from
+torchrun's and then replaces itself with the program, as torchrun would have started it.
+
+**The first cause is the one reported.** When a rank dies (SIGKILL, the OOM killer), the
+others fail in their next collective with an error that names nothing ("Connection closed by
+peer"). The launcher notes each rank it saw end with a failure before it stops the others
+(:func:`note_ended`); :func:`first_cause` turns the others' secondary error into one naming
+that rank ("rank 1 ended with signal 9 (SIGKILL)").
 """
 
 from __future__ import annotations
@@ -15,13 +31,22 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import signal
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from hpctrain.errors import EXIT_PREEMPTED, HpctrainError, RunError, describe
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# The node-local directory `hpctrain run` gives its ranks for their outcome notes (a preemption
+# save, a rank's first failure): what the launcher reads to choose its exit code.
+OUTCOME_ENV = "HPCTRAIN_OUTCOME_DIR"
 
 
 def under_torchrun(environ: Mapping[str, str]) -> bool:
@@ -57,3 +82,156 @@ def start_rank() -> None:
 
     die_with_launcher()
     heartbeat.from_env()
+
+
+# ---------------------------------------------------------------- Slurm's variables
+
+# Slurm's name -> torchrun's, for each rank: what srun would have set had it started the ranks.
+_SLURM_FROM_TORCHRUN = {"SLURM_PROCID": "RANK", "SLURM_LOCALID": "LOCAL_RANK", "SLURM_NTASKS": "WORLD_SIZE",
+                        "SLURM_NODEID": "GROUP_RANK", "SLURM_NTASKS_PER_NODE": "LOCAL_WORLD_SIZE"}
+
+
+def slurm_view(environ: Mapping[str, str]) -> dict[str, str]:
+    """Slurm's per-task variables as srun would set them for torchrun's ranks (``{}`` outside
+    torchrun), and ``SLURM_NNODES`` as the nodes torchrun's world spans."""
+    if not under_torchrun(environ) or "RANK" not in environ:
+        return {}
+    view = {slurm: environ[torch] for slurm, torch in _SLURM_FROM_TORCHRUN.items() if torch in environ}
+    world, local = int(environ.get("WORLD_SIZE", "1")), int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    view["SLURM_NNODES"] = str(max(1, world // max(1, local)))
+    return view
+
+
+def main(argv: list[str] | None = None, environ: MutableMapping[str, str] | None = None) -> None:
+    """``python -m hpctrain.launch.rank PROGRAM...``: Slurm's variables from torchrun's, then
+    ``python -u PROGRAM...`` in this process's place (same pid: torch's agent still watches it).
+    PROGRAM is ``SCRIPT.py ARGS`` or ``-m MODULE ARGS``."""
+    args = sys.argv[1:] if argv is None else argv
+    env = os.environ if environ is None else environ
+    env.update(slurm_view(env))
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-u", *args])
+
+
+# ---------------------------------------------------------------- the first cause
+
+# The launcher's notes in its outcome directory (node-local, HPCTRAIN_OUTCOME_DIR):
+# ended-<restart>-rank-<rank> (its exit code) and forwarded-<restart>-<SIGNAL>.
+_ENDED, _FORWARDED = "ended-", "forwarded-"
+
+
+def note_ended(directory: Path, restart: str, rank: int, code: int) -> None:
+    """The launcher: rank ``rank`` of attempt ``restart`` ended with ``code`` (negative: the signal)."""
+    (directory / f"{_ENDED}{restart}-rank-{rank}").write_text(str(code))
+
+
+def note_forwarded(directory: Path, restart: str, name: str) -> None:
+    """The launcher: it forwards signal ``name`` to the ranks of attempt ``restart`` now."""
+    (directory / f"{_FORWARDED}{restart}-{name}").touch()
+
+
+def forwarded_signals(environ: Mapping[str, str] | None = None) -> set[str]:
+    """The signals ``hpctrain run`` forwarded to this attempt's ranks so far (names); empty
+    outside ``hpctrain run``. A rank that ignored one for a while can still honour it."""
+    env = os.environ if environ is None else environ
+    directory = env.get(OUTCOME_ENV)
+    if not directory:
+        return set()
+    prefix = f"{_FORWARDED}{env.get('TORCHELASTIC_RESTART_COUNT', '0')}-"
+    return {note.name[len(prefix):] for note in Path(directory).glob(f"{prefix}SIG*")}
+
+
+def ended_ranks(environ: Mapping[str, str] | None = None) -> dict[int, int]:
+    """The other ranks of this attempt that the launcher saw end with a failure (not a
+    preemption's 3): rank -> exit code (negative: the signal). Empty outside ``hpctrain run``."""
+    env = os.environ if environ is None else environ
+    directory = env.get(OUTCOME_ENV)
+    if not directory:
+        return {}
+    own, prefix = env.get("RANK", "0"), f"{_ENDED}{env.get('TORCHELASTIC_RESTART_COUNT', '0')}-rank-"
+    found: dict[int, int] = {}
+    for note in Path(directory).glob(f"{prefix}*"):
+        try:
+            rank, code = note.name[len(prefix):], int(note.read_text())
+        except (OSError, ValueError):
+            continue  # being written
+        if rank != own and rank.isdigit() and code not in (0, EXIT_PREEMPTED):
+            found[int(rank)] = code
+    return found
+
+
+def ending(code: int) -> str:
+    """``signal 9 (SIGKILL)`` or ``exit code 2``."""
+    if code < 0:
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def peer_failure(err: BaseException, wait_s: float = 5.0, environ: Mapping[str, str] | None = None) -> RunError | None:
+    """The error to report instead of ``err`` when another rank ended first: it names that rank.
+    A communication error waits up to ``wait_s`` for the launcher's note (it polls its ranks
+    every 0.1 s); without one it still says what it is, not "a bug". None: ``err`` stands."""
+    lost = _looks_like_a_lost_peer(err)
+    noted = bool((os.environ if environ is None else environ).get(OUTCOME_ENV))  # else no note can come
+    deadline = time.monotonic() + (wait_s if lost and noted else 0.0)
+    # an error of its own (not a lost peer) is only put down to a rank killed by a signal: a rank
+    # that exited by itself first may well have hit the same error
+    while (named := named_peer_failure(err, environ, killed_only=not lost)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if named is None and lost:
+        return RunError(f"a collective failed because another rank or the network went away ({_one_line(err)}); "
+                        "hint: the launcher's log names the rank that ended first")
+    return named
+
+
+def named_peer_failure(err: BaseException, environ: Mapping[str, str] | None = None, *,
+                       killed_only: bool = False) -> RunError | None:
+    """A :class:`RunError` naming the rank the launcher saw end first (a death by a signal
+    before an exit: the likeliest first cause, the others followed it); None if none did
+    (``killed_only``: none was killed by a signal)."""
+    ended = {rank: code for rank, code in ended_ranks(environ).items() if code < 0 or not killed_only}
+    if not ended:
+        return None
+    rank, code = min(ended.items(), key=lambda item: (item[1] >= 0, item[0]))
+    return RunError(f"rank {rank} ended with {ending(code)}, so this rank failed too ({_one_line(err)}); hint: that "
+                    "rank's log (and the OOM killer's: `dmesg`, `sacct -j JOB`) says why")
+
+
+def _one_line(err: BaseException) -> str:
+    """The secondary error, short: its first line without a C++ source location, cut at 160."""
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", describe(err).strip())
+    line = text.splitlines()[0] if text else type(err).__name__
+    return line if len(line) <= 160 else line[:157] + "..."
+
+
+def _looks_like_a_lost_peer(err: BaseException) -> bool:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                  "NCCL communicator was aborted", "Socket Timeout", "recvBytes"))
+
+
+@contextmanager
+def first_cause(environ: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Around a rank's work: an error that followed another rank's death (see :func:`peer_failure`)
+    leaves as a :class:`~hpctrain.errors.RunError` naming that rank; hpctrain's own errors and
+    everything else go on unchanged."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, HpctrainError):
+            raise
+        replaced = peer_failure(err, environ=environ)
+        if replaced is None:
+            raise
+        raise replaced from err
+
+
+if __name__ == "__main__":
+    main()

@@ -32,7 +32,7 @@ from typing import Any
 from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.errors import UserError
-from hpctrain.launch.container import Container, Runtime, unique_paths
+from hpctrain.launch.container import Container, Runtime, check_mount, unique_paths
 from hpctrain.launch.program import SIGNALS_ENV, user_program
 from hpctrain.rundir import atomic_write_text, check_run_dir, resolve_run_dir, write_json
 
@@ -51,6 +51,14 @@ _WORD = re.compile(r"^[\w.,:+=@/-]+$")
 # its filename patterns; a newline would start a new script line. None of these may occur.
 _DIRECTIVE_PATH = re.compile(r"[^\s'\"\\%`$;\x00-\x1f\x7f]+")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Variables the rendered script assigns and then relies on (tests/launch/test_slurm_mounts_env.py checks
+# that every assignment of a rendered script is listed), with the option that sets each one instead.
+SCRIPT_VARS = {"RUN_DIR": "run.dir= (or --run-dir)", "MAX_REQUEUES": "--max-requeues", "HEAD_NODE": "",
+               "RDZV_PORT": "--rdzv-port", SIGNALS_ENV: "--signal", "interrupted": "", "started": "", "step": "",
+               "code": "", "status": "", "restarts": "", "preempted": ""}
+# Shell variables that change how bash reads or runs the rest of the script.
+SHELL_VARS = ("IFS", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "CDPATH", "GLOBIGNORE", "BASH_XTRACEFD",
+              "PROMPT_COMMAND", "POSIXLY_CORRECT", "SHELL")
 
 
 class SlurmOptionError(UserError):
@@ -102,6 +110,11 @@ class JobPlan:
     container: Container | None = None
     program: tuple[str, ...] = ()  # a user's own program (SCRIPT.py ARGS or -m MODULE ARGS) instead of train
 
+    @property
+    def opts_env_names(self) -> set[str]:
+        """The names the user gave with --env."""
+        return {item.split("=", 1)[0] for item in self.opts.env}
+
 
 # ---------------------------------------------------------------- validation
 
@@ -147,6 +160,21 @@ def _check_words(opts: SlurmOptions) -> None:
     for item in opts.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item, re.DOTALL):  # the value is quoted
             raise SlurmOptionError(f"--env {item!r} must look like NAME=VALUE")
+        _check_env_name(item.split("=", 1)[0])
+
+
+def _check_env_name(name: str) -> None:
+    """An --env NAME the job script's own logic depends on is refused: exported after the script's
+    own assignment it would replace it (--env MAX_REQUEUES=99 defeating --max-requeues), and
+    Slurm's job variables (SLURM_RESTART_COUNT counts the requeues) are Slurm's to set."""
+    if name in SCRIPT_VARS:
+        option = SCRIPT_VARS[name]
+        raise SlurmOptionError(f"--env {name}=... would replace the job script's own {name}; hint: "
+                               + (f"set it with {option}" if option else "pick another name"))
+    if name.startswith("SLURM_") or name in SHELL_VARS or name.startswith("BASH_FUNC_"):
+        whose = "Slurm sets it for the job" if name.startswith("SLURM_") else "it changes how bash runs the script"
+        raise SlurmOptionError(f"--env {name}=... is refused: {whose}; hint: an srun input variable such as "
+                               "SLURM_CPU_BIND goes into --setup ('export SLURM_CPU_BIND=cores')")
 
 
 def _gpus_and_procs(opts: SlurmOptions) -> tuple[int, int]:
@@ -279,7 +307,7 @@ def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, s
     cfg = load_config(path, overrides)
     check_world(cfg, opts.nodes * nproc)
     run_dir = (workdir / resolve_run_dir(cfg.run.dir, cfg)).resolve()
-    check_run_dir(run_dir, cfg.run.overwrite, cfg.resume)
+    check_run_dir(run_dir, cfg.run.overwrite, cfg.resume, cfg.train)  # train: a finished run may be extended
     args = (*_absolute_config_args(path, overrides, workdir, run_dir), *rank_signals(sig, cfg.checkpoint))
     container = _container(opts, gpus, run_dir, workdir, cfg.data.path, path)
     python = opts.python or ("python3" if container else sys.executable)
@@ -337,14 +365,18 @@ def _container(opts: SlurmOptions, gpus: int, run_dir: Path, workdir: Path, data
                config_path: str | None) -> Container | None:
     if not opts.container or not opts.container_runtime:
         return None
-    paths = [str(run_dir), str(workdir)]
+    named = [("run.dir", run_dir), ("the working directory", workdir)]
     if data_path:
-        paths.append(str((workdir / data_path).resolve()))
+        data = (workdir / data_path).resolve()
+        # a brace pattern or a single tar (hpctrain.data.foreign): its directory is what the job reads
+        named.append(("data.path", data.parent if "{" in data.name or data.suffix == ".tar" else data))
     if config_path:
-        paths.append(str((workdir / config_path).resolve().parent))
-    paths += [str(Path(m).resolve()) for m in opts.mounts]
-    return Container(image=opts.container, runtime=opts.container_runtime, mounts=unique_paths(paths),
-                     workdir=str(workdir), gpus=gpus > 0)
+        named.append(("the config's directory", (workdir / config_path).resolve().parent))
+    named += [(f"--mount {m}", Path(m).resolve()) for m in opts.mounts]
+    for what, path in named:
+        check_mount(what, str(path), opts.container_runtime)
+    return Container(image=opts.container, runtime=opts.container_runtime,
+                     mounts=unique_paths([str(path) for _, path in named]), workdir=str(workdir), gpus=gpus > 0)
 
 
 # ---------------------------------------------------------------- rendering
@@ -382,13 +414,34 @@ def _preamble(plan: JobPlan) -> list[str]:
              ' at $(date -u +%FT%TZ)"']
     if plan.opts.setup:
         lines += ["# set-up (--setup)", plan.opts.setup]
-    if plan.opts.cpus_per_task:
-        lines.append(f"export OMP_NUM_THREADS={max(1, plan.opts.cpus_per_task // plan.nproc)}  # CPUs per rank")
+    lines += _threads(plan)
     lines += [f"export {k}={shlex.quote(v)}" for k, v in plan.exports.items()]
     port = plan.opts.rdzv_port
     return lines + ['HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
                     f"RDZV_PORT={port}" if port else
                     "RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))  # per job: two jobs on one node never collide"]
+
+
+def _threads(plan: JobPlan) -> list[str]:
+    """OMP_NUM_THREADS: the CPUs per rank (--cpus-per-task / ranks per node; without it, the CPUs
+    Slurm gave the node's task, known only in the job); an --env OMP_NUM_THREADS of the user's wins."""
+    if "OMP_NUM_THREADS" in plan.opts_env_names:
+        return []
+    if plan.opts.cpus_per_task:
+        return [f"export OMP_NUM_THREADS={max(1, plan.opts.cpus_per_task // plan.nproc)}  # CPUs per rank"]
+    return [f"OMP_NUM_THREADS=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {plan.nproc} ))  # no --cpus-per-task: the "
+            "CPUs Slurm gave this node's task, per rank",
+            '[ "$OMP_NUM_THREADS" -ge 1 ] || OMP_NUM_THREADS=1; export OMP_NUM_THREADS']
+
+
+def missing_cpus_warning(plan: JobPlan) -> str | None:
+    """What to tell a user who gave no --cpus-per-task (the job then gets the site's default, often one
+    CPU for the node's task, that is for all of its ranks and their data loader workers)."""
+    if plan.opts.cpus_per_task:
+        return None
+    return (f"no --cpus-per-task: each node's task gets the cluster's default CPU count (often 1) for its "
+            f"{plan.nproc} rank(s) and their data loader workers; the job sets OMP_NUM_THREADS to the CPUs it "
+            f"got / {plan.nproc}; hint: --cpus-per-task C (C >= {plan.nproc}, e.g. the node's cores)")
 
 
 def _step(plan: JobPlan) -> list[str]:

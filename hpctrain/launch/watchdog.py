@@ -6,10 +6,11 @@ stops beating: the ones that wait in a collective and the one they wait for. The
 the rank with the fewest laps (ranks pass the same phase boundaries in the same order, and a
 waiting rank is at most one collective ahead); a stopped process (state T) settles a tie.
 
-When the laggard has made no progress for ``timeout_s`` (its first step and the long phases,
-validation and checkpoint saves, get ``LONG_FACTOR`` times that; start-up is bounded by
-torch's rendezvous and ``parallel.init_timeout_s`` instead, because data staging may
-legitimately take long), the watchdog
+When the laggard has made no progress for ``timeout_s`` (its first step and the long phases
+the loop marks, validation, checkpoint saves and the resume read, get ``LONG_FACTOR`` times
+that; every other phase, the per-step preemption agreement included, the plain timeout;
+the rest of start-up is bounded by torch's rendezvous and ``parallel.init_timeout_s``
+instead, because data staging may legitimately take long), the watchdog
 
 1. writes every local rank's Python stacks (``py-spy dump`` where installed, else the rank's
    own faulthandler, which writes even while the main thread is blocked in C++), its process
@@ -105,7 +106,8 @@ def laggard(ranks: list[RankState]) -> RankState:
 
 
 def allowance(beat: Beat, timeout_s: float) -> float:
-    """Seconds without a heartbeat before this rank counts as hung (inf: not judged)."""
+    """Seconds without a heartbeat before this rank counts as hung (inf: not judged). Only the
+    phases the loop marks as long (heartbeat.during) and the first step get the long one."""
     if beat.phase == STARTING:
         return float("inf")
     if beat.done == 0 or beat.phase in heartbeat.LONG_PHASES:

@@ -16,7 +16,15 @@ from hpctrain.models.mnist_net import MnistCNN
 from hpctrain.models.outputs import pass_labels
 from hpctrain.models.resnet import ResNet18
 from hpctrain.models.simple_cnn import SimpleCNN
-from hpctrain.models.user import CAUSAL_LM, ModelError, build_user_model, check_model_output
+from hpctrain.models.user import (
+    CAUSAL_LM,
+    ModelError,
+    build_user_model,
+    check_model_output,
+    factory_kwargs,
+    load_factory,
+    output_width,
+)
 
 __all__ = ["GPT", "REGISTRY", "ModelError", "ModelSpec", "build_model", "check_model_output", "count_parameters"]
 
@@ -67,6 +75,7 @@ def build_model(name: str, num_classes: int | None = None, in_channels: int | No
         offered = user_offers(cfg, num_classes, in_channels, input_shape, input_dtype,
                               task or _data_task(input_shape, input_dtype))
         model = build_user_model(name, offered)
+        check_sync_batchnorm(model, name)
         if cfg.use_model_loss:
             pass_labels(model)
     elif name in REGISTRY:
@@ -80,6 +89,58 @@ def build_model(name: str, num_classes: int | None = None, in_channels: int | No
         check_model_output(model, name, input_shape, num_classes, input_dtype, task=task,
                            use_model_loss=config is not None and config.use_model_loss and ":" in name)
     return model
+
+
+def resolve_num_classes(config: ModelConfig, data_classes: int, input_shape: tuple[int, ...],
+                        input_dtype: torch.dtype, data_name: str) -> int:
+    """``model.num_classes``, else the data's class count, else the output width of the user's model
+    built with its own defaults (one dummy forward, as the output check does); a ConfigError when
+    none of them tells."""
+    count = config.num_classes or data_classes or infer_num_classes(config.name, input_shape, input_dtype, config)
+    if not count:
+        from hpctrain.section import ConfigError
+
+        raise ConfigError(f"data.name={data_name}: the number of classes is unknown; hint: set model.num_classes, "
+                          "or give num_classes in the mapping (or a classes list on the dataset), or let the "
+                          "model's factory default its num_classes (its output width is then the class count)")
+    return count
+
+
+def infer_num_classes(name: str, input_shape: tuple[int, ...], input_dtype: torch.dtype,
+                      config: ModelConfig | None = None) -> int | None:
+    """The class count a user's model (``package.module:NAME``) declares by its output width:
+    built in host memory without ``num_classes`` (its own default), one dummy forward of two
+    samples, the width of its ``(batch, C)`` logits. None for a registered model, a factory that
+    requires ``num_classes``, or an output of another shape."""
+    if ":" not in name:
+        return None
+    cfg = config or ModelConfig(name=name)
+    offered = user_offers(cfg, 0, input_shape[0] if input_shape else None, input_shape, input_dtype,
+                          "classification")
+    del offered["num_classes"]
+    try:
+        factory_kwargs(name, load_factory(name), offered)  # a ModelError when it requires num_classes
+    except ModelError:
+        return None
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):  # the run's random streams stay untouched
+        model = build_user_model(name, offered)
+        return output_width(model, input_shape, input_dtype)
+
+
+def check_sync_batchnorm(model: nn.Module, name: str) -> None:
+    """A user's ``SyncBatchNorm`` syncs over NCCL only: at 2+ gloo ranks the first training step
+    would fail inside torch, so say it now, naming the layer (exit 2)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return  # one process: torch's SyncBatchNorm is a plain BatchNorm there
+    if dist.get_backend() == "nccl":
+        return
+    layer = next((n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)), None)
+    if layer is not None:
+        raise ModelError(f"model.name={name!r} holds torch.nn.SyncBatchNorm ({layer}), which needs CUDA GPUs and the "
+                         f"NCCL backend; this run uses {dist.get_backend()} over {dist.get_world_size()} ranks; hint: "
+                         "a plain BatchNorm (hpctrain keeps the ranks' BatchNorm buffers in step), or run on GPUs")
 
 
 def _data_task(input_shape: tuple[int, ...] | None, input_dtype: torch.dtype) -> str:

@@ -136,6 +136,21 @@ def check_model_output(model: nn.Module, name: str, input_shape: tuple[int, ...]
                          "cross-entropy on the logits), or return a dict / ModelOutput with `loss`")
 
 
+def output_width(model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype) -> int | None:
+    """The width of the ``(batch, C)`` logits ``model`` returns for two dummy samples (eval mode,
+    no grad: nothing of the model changes); None when it fails or returns another shape."""
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()
+            logits = logits_of(model(torch.zeros((2, *input_shape), dtype=input_dtype)))
+    except Exception:  # noqa: BLE001 - no width to read: the caller asks for num_classes instead
+        return None
+    finally:
+        model.train(was_training)
+    return int(logits.shape[1]) if logits.dim() == 2 and logits.shape[0] == 2 else None
+
+
 def _on_meta(model: nn.Module) -> bool:
     first = next(iter(model.parameters()), None)
     return first.is_meta if first is not None else torch.get_default_device().type == "meta"

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpctrain.env import ClusterEnv
 from hpctrain.evaluation.evaluate import EvalResult, evaluate
 from hpctrain.evaluation.metrics import Metric
+from hpctrain.parallel.buffers import check_sync_batchnorm, convert_sync_batchnorm, real_samples, sync_buffers
 from hpctrain.parallel.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.meta import on_meta
@@ -66,6 +67,7 @@ class Strategy:
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.precision = Precision(precision, device)
         self.whole: nn.Module | None = None  # the whole model on meta, when this rank holds a part of it
+        self.skeleton: nn.Module | None = None  # its meta structure from build_model, for a factory that refuses meta
         self.loss_fn: LossFn | None = None
 
     # ---------------------------------------------------------------- before the process group
@@ -84,6 +86,7 @@ class Strategy:
             from hpctrain.parallel.tensor import check_tensor_parallel
 
             check_tensor_parallel(cfg, plan)
+        check_sync_batchnorm(cfg)
 
     # ---------------------------------------------------------------- building
 
@@ -99,7 +102,12 @@ class Strategy:
         self.optimizer = self.wrap_optimizer(make_optimizer(self.model))
         self.scheduler = make_scheduler(self.optimizer)
         self.precision = Precision(self.precision_mode, self.device, scaler=self.grad_scaler())
-        self.whole = on_meta(factory) if self.holds_part else None
+        self.whole = self.meta_model(factory) if self.holds_part else None
+
+    def meta_model(self, factory: Factory) -> nn.Module:
+        """The whole model on meta: the structure ``build_model`` kept (a factory that loads
+        weights refuses the meta device), else ``factory()`` built there."""
+        return self.skeleton if self.skeleton is not None else on_meta(factory)
 
     def build_model(self, factory: Factory) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -115,6 +123,8 @@ class Strategy:
             assert self.mesh is not None
             apply_tp(model, mesh=self.mesh["tp"], sequence_parallel=self.cfg.sequence_parallel)
         model = apply_activation_checkpointing(model, mode=self.cfg.activation_checkpointing)
+        if self.cfg.sync_batchnorm and self.env.distributed:  # before the wrappers, which see its modules
+            model = convert_sync_batchnorm(model, self.eval_group())
         if not self.env.distributed:
             return self.compiled(model)
         return self.wrap_data_parallel(self.compiled(model))
@@ -176,6 +186,7 @@ class Strategy:
         """Forward and backward of one micro-batch; the loss divided by ``accum`` for the
         gradients, returned detached. ``forward_done`` is called between the two (for timing)."""
         assert self.loss_fn is not None, "setup() first"
+        inputs, targets, mask = real_samples(inputs, targets, mask)  # padding never reaches BatchNorm
         with _NO_CONTEXT if sync else self.no_sync():
             with self.precision.autocast():
                 loss = self.loss_fn(self.model(inputs), targets, mask)
@@ -212,7 +223,30 @@ class Strategy:
         assert self.optimizer is not None, "setup() first"
         view = ShardedState(self.model, self.optimizer) if self.holds_part else WholeState(self.model, self.optimizer)
         view.strategy = self.cfg.strategy
+        view.before_save = self.sync_buffers
         return view
+
+    def buffer_groups(self) -> list[Any]:
+        """The groups whose ranks hold the same buffers, broadcast over in turn: the world (None),
+        or on a mesh the data-parallel replicas, then the tensor-parallel ranks (a pipeline
+        stage's buffers live on that stage's ranks only)."""
+        if not self.env.distributed:
+            return []
+        if self.mesh is None:
+            return [None]
+        groups = [self.mesh["dp"].get_group()]
+        return groups + [self.mesh["tp"].get_group()] if self.plan.tp > 1 else groups
+
+    def sync_buffers(self) -> None:
+        """Every rank's buffers (BatchNorm statistics) set to rank 0's of its replica group:
+        before validation, checkpoints and model.pt (see :mod:`hpctrain.parallel.buffers`)."""
+        sync_buffers(self.inner, self.buffer_groups())
+
+    def buffer_names(self) -> list[str]:
+        """The whole model's buffer names (model.pt's, buffers_sha256's)."""
+        from hpctrain.rundir import clean_name
+
+        return [clean_name(name) for name, _ in (self.whole if self.whole is not None else self.inner).named_buffers()]
 
     def param_names(self) -> list[str]:
         """The whole model's parameter names, in order (model.pt's, params_sha256's)."""
@@ -239,6 +273,8 @@ class Strategy:
 
     def evaluate(self, loader: EvalBatches, metrics: Sequence[Metric], task: Task, *,
                  batch_size: int) -> EvalResult:
-        """Every validation sample of the data-parallel replicas once; the global metrics on every rank."""
+        """Every validation sample of the data-parallel replicas once; the global metrics on every
+        rank, with every rank's buffers first set to rank 0's (the model that model.pt holds)."""
+        self.sync_buffers()
         return evaluate(self.model, loader, metrics, self.env, self.device, self.precision, task=task,
                         group=self.eval_group())

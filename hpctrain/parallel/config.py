@@ -55,7 +55,8 @@ class ParallelConfig:
     gradient_as_bucket_view: bool = opt(True, "DDP: gradients are views into buckets (saves a copy and memory).")
     static_graph: bool = opt(False, "DDP: the graph is the same every step (enables extra optimizations).")
     find_unused_parameters: bool = opt(False, "DDP: search for parameters that get no gradient (slower).")
-    broadcast_buffers: bool = opt(True, "DDP: broadcast buffers (e.g. BatchNorm stats) from rank 0 each forward.")
+    broadcast_buffers: bool = opt(True, "DDP: broadcast buffers (e.g. BatchNorm stats) from rank 0 each forward. (Every strategy also sets all ranks' buffers to rank 0's before each validation, checkpoint and model.pt; docs/parallel.md.)")
+    sync_batchnorm: bool = opt(False, "Convert every BatchNorm to torch's SyncBatchNorm: batch statistics over the data-parallel ranks' whole batch (CUDA with NCCL only; refused on CPU/gloo).")
 
     def __post_init__(self) -> None:
         _one_of("parallel.strategy", self.strategy, (*STRATEGY_NAMES, AUTO))

@@ -32,11 +32,12 @@ import torch
 from torch import nn
 
 from hpctrain.cache import cache_root
+from hpctrain.checkpoint.preempt import children_shielded
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import RunError, UserError
 from hpctrain.parallel.base import Factory, LossFn, Strategy, _nothing
+from hpctrain.parallel.buffers import real_samples
 from hpctrain.parallel.config import ParallelConfig
-from hpctrain.parallel.meta import on_meta
 from hpctrain.parallel.state import ModelState
 from hpctrain.precision import Precision
 from hpctrain.weights.export import Source, dict_source
@@ -117,10 +118,11 @@ def init_deepspeed(model: nn.Module, optimizer: torch.optim.Optimizer, *, env: C
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # (without these it looks for MPI instead)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
     config = ds_config(stage=stage, micro_batch=micro_batch, grad_accum=grad_accum,
                        clip_grad_norm=clip_grad_norm, precision=precision)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=scheduler)
+    with children_shielded():  # its first use builds ops with ninja: a forwarded SIGUSR1 must not kill it
+        deepspeed.init_distributed(dist_backend=backend)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=scheduler)
     return engine
 
 
@@ -161,13 +163,29 @@ class DeepSpeed(Strategy):
         self.scheduler = None  # stepped by the engine, saved in DeepSpeed's checkpoint
         self.precision = Precision(self.precision_mode, self.device, scaler=None)  # DeepSpeed scales fp16 itself
         self._holds_part = True
-        self.whole = on_meta(factory)
+        self.whole = self.meta_model(factory)
+
+    def build_model(self, factory: Factory) -> nn.Module:
+        """A factory that loads weights (it refuses the meta device: ``from_pretrained``) runs on rank
+        0 only; the other ranks get its structure and its weights (the engine wants whole modules)."""
+        if not self.env.distributed:
+            return super().build_model(factory)
+        from hpctrain.parallel.meta import build_structure, materialize, meta_copy
+
+        built = build_structure(factory, seed=self.seed)
+        if not built.loaded:
+            return super().build_model(factory)
+        self.skeleton = meta_copy(built.skeleton)
+        model = self.parallelize(built.skeleton)
+        materialize(model, device=self.device, factory=factory, seed=self.seed, full=built.full)
+        return model
 
     def micro_step(self, inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None, *, sync: bool,
                    accum: int, forward_done: Callable[[], None] = _nothing) -> torch.Tensor:
         assert self.loss_fn is not None, "setup() first"
         engine: Any = self.model
-        loss = self.loss_fn(engine(inputs), targets, None)
+        inputs, targets, mask = real_samples(inputs, targets, mask)  # padding never reaches BatchNorm
+        loss = self.loss_fn(engine(inputs), targets, mask)
         forward_done()
         engine.backward(loss)
         engine.step()  # the optimizer steps (and clips) when this closes an accumulation window
@@ -179,7 +197,9 @@ class DeepSpeed(Strategy):
 
     def checkpoint_state(self) -> ModelState:
         assert self.optimizer is not None, "setup() first"
-        return DeepSpeedState(self.model, self.optimizer)
+        view = DeepSpeedState(self.model, self.optimizer)
+        view.before_save = self.sync_buffers
+        return view
 
     def export_source(self) -> Source:
         """ZeRO-3: DeepSpeed's own gather, to rank 0; ZeRO-1/2 keep whole parameters on every rank."""
@@ -205,9 +225,12 @@ class DeepSpeedState:
 
     def __init__(self, engine: Any, optimizer: torch.optim.Optimizer) -> None:
         self.engine, self.optimizer = engine, optimizer
+        self.before_save: Callable[[], None] = lambda: None
 
     def gather(self) -> None:
-        pass
+        """Every rank's buffers made rank 0's: ZeRO-1/2 save rank 0's module, ZeRO-3 every rank's
+        own, and a resume must give every rank the same."""
+        self.before_save()
 
     def save(self, directory: Path) -> None:
         save_engine(self.engine, directory)

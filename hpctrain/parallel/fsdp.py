@@ -96,15 +96,22 @@ class FSDP(Strategy):
                           dp_replicate=p.dp_replicate)
 
     def build_model(self, factory: Factory) -> nn.Module:
-        """With ``parallel.meta_init``: built on meta, sharded, then given rank 0's one-process
-        init, so no rank ever holds the whole model on the device."""
-        if not (self.cfg.meta_init and self.env.distributed):
+        """With ``parallel.meta_init``, or a factory that loads weights (it refuses the meta device:
+        ``from_pretrained``): built on meta, sharded, then given rank 0's one-process init or loaded
+        weights, so no rank ever holds the whole model on the device, and only rank 0 in host memory."""
+        if not self.env.distributed:
             return super().build_model(factory)
-        from hpctrain.parallel.meta import materialize, on_meta
+        from hpctrain.parallel.meta import build_structure, materialize, meta_copy
 
-        model = self.parallelize(on_meta(factory))
+        built = build_structure(factory, seed=self.seed)
+        if not (self.cfg.meta_init or built.loaded):
+            return super().build_model(factory)
+        if built.loaded:  # the factory cannot run on meta: setup's whole-model view is this copy
+            self.skeleton = meta_copy(built.skeleton)
+        model = self.parallelize(built.skeleton)
         # Offloaded shards live in host memory; FSDP moves each to the device when it is gathered.
-        materialize(model, device=torch.device("cpu") if self.offload else self.device, factory=factory, seed=self.seed)
+        materialize(model, device=torch.device("cpu") if self.offload else self.device, factory=factory, seed=self.seed,
+                    full=built.full)
         return model
 
     def compiled(self, model: nn.Module) -> nn.Module:

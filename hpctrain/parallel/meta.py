@@ -4,15 +4,28 @@ Initialising the shards in place (``reset_parameters`` after ``to_empty``) does 
 one-process init: on a CPU mesh every rank draws the same values, and the random stream
 differs from an unsharded model's anyway. So rank 0 builds the model once, seeded as one
 process would (host memory only), and its full state is scattered into the shards.
+
+A factory that loads weights (``from_pretrained``, ``torch.load``, a safetensors file) may refuse
+the meta device (Hugging Face's ``from_pretrained`` does). Then :func:`build_structure` calls it on
+rank 0 only, in host memory, and sends the other ranks its structure as a meta copy (pickled, no
+weights): every rank shards that, and rank 0's loaded weights go into the shards. No rank but rank
+0 ever holds or reads the whole model.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
+import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hpctrain.errors import HpctrainError
+from hpctrain.models.user import ModelError
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -23,15 +36,73 @@ def on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
         return factory()
 
 
-def materialize(model: nn.Module, *, device: torch.device, factory: Callable[[], nn.Module], seed: int) -> None:
+@dataclass
+class Structure:
+    """A model's structure on meta; ``full`` is rank 0's built model when the factory loads weights
+    (it could not run on meta), so it is called once only (None on the other ranks, or when not loaded)."""
+
+    skeleton: nn.Module
+    full: nn.Module | None = None
+    loaded: bool = False  # the factory could not run on meta: rank 0 built it (the same on every rank)
+
+
+def build_structure(factory: Callable[[], nn.Module], *, seed: int) -> Structure:
+    """The model's structure without memory: ``factory()`` on meta, or, when it refuses the meta
+    device (it loads weights), rank 0's ``torch.manual_seed(seed); factory()`` in host memory
+    and its meta copy sent to every rank. Collective when the factory refuses meta."""
+    try:
+        return Structure(on_meta(factory))
+    except Exception:  # noqa: BLE001 - any refusal on meta: build it for real, on rank 0 only
+        if not (dist.is_available() and dist.is_initialized()):
+            raise
+    full, sent = None, None
+    if dist.get_rank() == 0:
+        full, sent = _build_on_rank0(factory, seed)
+    box: list[object] = [sent]
+    dist.broadcast_object_list(box, src=0)  # the structure (meta tensors pickle without data), or the error
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    assert isinstance(box[0], nn.Module)
+    return Structure(box[0], full, loaded=True)
+
+
+def _build_on_rank0(factory: Callable[[], nn.Module], seed: int) -> tuple[nn.Module | None, object]:
+    """Rank 0's full model and what it sends: its meta copy, or the error (the other ranks raise it too)."""
+    try:
+        torch.manual_seed(seed)
+        with torch.device("cpu"):  # host memory: the device gets only this rank's shards
+            full = factory()
+        skeleton = meta_copy(full)
+        pickle.dumps(skeleton)  # here, not inside the broadcast: a failure there leaves the others waiting
+    except HpctrainError as err:
+        return None, err
+    except Exception as err:  # noqa: BLE001 - the structure does not pickle: say what to do
+        return None, ModelError(f"the model loads weights (it cannot be built on the meta device), so rank 0 builds "
+                                f"it and sends its structure to the other ranks, but it does not pickle: "
+                                f"{type(err).__name__}: {err}; hint: parallel.strategy=ddp, or build the model "
+                                "from its config and load the weights in the factory with torch.load")
+    return full, skeleton
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on meta: its structure, no memory."""
+    memo: dict[int, object] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def materialize(model: nn.Module, *, device: torch.device, factory: Callable[[], nn.Module], seed: int,
+                full: nn.Module | None = None) -> None:
     """Give the parallelized meta ``model`` the weights of ``torch.manual_seed(seed); factory()``
-    (built on rank 0 only, in host memory), persistent buffers and non-persistent ones alike."""
+    (built on rank 0 only, in host memory; or rank 0's ``full``, built already), persistent
+    buffers and non-persistent ones alike."""
     aliases = _aliases(model)
     model.to_empty(device=device)
     _retie(model, aliases)
     rank0 = dist.get_rank() == 0
-    full = None
-    if rank0:
+    if rank0 and full is None:
         torch.manual_seed(seed)
         full = factory()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # 0.8 s: FSDP only

@@ -47,6 +47,11 @@ class Pipeline(Strategy):
         if cfg.train.compile or p.meta_init:
             raise ConfigError(f"parallel.pp={p.pp} builds its stages without train.compile or parallel.meta_init "
                               "yet; hint: train.compile=false parallel.meta_init=false")
+        if not cfg.data.drop_last:
+            # the schedule splits each rank's batch into equal micro-batches and its loss sees no
+            # mask: padding samples would be trained on as real ones
+            raise ConfigError(f"parallel.pp={p.pp} needs data.drop_last=true (a pipeline cannot leave the last "
+                              "step's padding samples out); hint: data.drop_last=true")
         if cfg.model.tie_weights and cfg.model.name in ("gpt", "llama"):
             raise ConfigError(f"parallel.pp={p.pp}: the first and last stages cannot share the tied embedding; "
                               "hint: model.tie_weights=false")
@@ -98,7 +103,9 @@ class Pipeline(Strategy):
 
     def checkpoint_state(self) -> ModelState:
         assert self.step is not None and self.optimizer is not None
-        return PipelineState(self.step, self.optimizer, self.cfg.strategy)
+        view = PipelineState(self.step, self.optimizer, self.cfg.strategy)
+        view.before_save = self.sync_buffers
+        return view
 
     def export_source(self) -> Source:
         assert self.step is not None
@@ -110,7 +117,9 @@ class Pipeline(Strategy):
 
     def evaluate(self, loader: EvalBatches, metrics: Sequence[Metric], task: Task, *,
                  batch_size: int) -> EvalResult:
-        """Forward through the stages, metrics on the last; the tp ranks of a stage count once."""
+        """Forward through the stages, metrics on the last; the tp ranks of a stage count once;
+        every stage's buffers first set to its replica 0's (the ones model.pt holds)."""
         assert self.step is not None
+        self.sync_buffers()
         return evaluate_pipeline(self.step, loader, metrics, self.env, self.device, self.precision, task=task,
                                  batch_size=batch_size, leader=self.env.rank % self.plan.tp == 0)

@@ -9,6 +9,8 @@ torch.distributed.checkpoint), gives its state for that format, and loads either
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -17,6 +19,7 @@ from torch import nn
 
 from hpctrain.checkpoint.state import CheckpointMismatchError
 from hpctrain.checkpoint.writer import storage_ptr
+from hpctrain.parallel.buffers import ddp_sync_buffers
 from hpctrain.parallel.wrappers import unwrap
 
 if TYPE_CHECKING:
@@ -67,9 +70,14 @@ class WholeState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "ddp") -> None:
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
+        # every rank's buffers made rank 0's before a save, so the checkpoint holds one copy and a
+        # resume gives every rank the same (a strategy sets its own; default: a DDP model's group)
+        self.before_save: Callable[[], None] = functools.partial(ddp_sync_buffers, model)
 
     def gather(self) -> None:
-        """Before a save, on every rank (a collective where the state is split: ZeRO-1)."""
+        """Before a save, on every rank, whatever the format: buffers synced (a collective), and
+        where the state is split (ZeRO-1) the optimizer state consolidated."""
+        self.before_save()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"model": ..., "optimizer": ...}`` for this view's format; references, no copies."""
@@ -125,6 +133,7 @@ class Zero1State(WholeState):
     (a one-process optimizer's layout, so any world size, or ddp, resumes it; ZeRO-1 re-splits)."""
 
     def gather(self) -> None:
+        super().gather()
         self.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # ZeroRedundancyOptimizer
 
 

@@ -5,7 +5,8 @@ training loss and the evaluation metrics, and counts FLOPs and tokens per sample
 loop and evaluate() stay the same for every task (see docs/models.md):
 
 * train: ``inputs, targets = task.split(batch)``; under autocast
-  ``loss = task.loss(model(inputs), targets, batch.mask)``;
+  ``loss = task.loss(model(inputs), targets, batch.mask)``; inputs that are a dict of named
+  tensors reach the model as ``model(**inputs)`` (:mod:`hpctrain.tasks.inputs`);
 * the model's output may be logits, a tuple, a dict or a ``ModelOutput``
   (:func:`hpctrain.models.outputs.logits_of`); one that carries its own ``loss`` (a model
   called with the labels ``split`` attaches, under ``model.use_model_loss=true``) is trained
@@ -33,6 +34,7 @@ from hpctrain.data.batch import Batch
 from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.models.outputs import attach_labels, logits_of, loss_of
 from hpctrain.precision import Precision
+from hpctrain.tasks.inputs import call_model, model_inputs, real_tokens
 from hpctrain.telemetry.flops import train_step_flops
 
 
@@ -41,38 +43,43 @@ class Task(Protocol):
     name: str
     best_metric: str  # the validation metric train.best_metric=auto tracks
     input_dtype: torch.dtype  # what the model's forward takes
+    targets: str  # what the data's labels must be (hpctrain.data.batch.TARGET_KINDS)
 
-    def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...  # (inputs, targets)
+    def split(self, batch: Batch) -> tuple[Any, torch.Tensor]: ...  # (inputs, targets)
     def loss(self, output: Any, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor: ...
     def eval_step(self, net: nn.Module, batch: Batch, precision: Precision | None) -> EvalOutput | None: ...
     def metrics(self, num_classes: int) -> list[Metric]: ...
     def tokens_per_sample(self, input_shape: tuple[int, ...]) -> int | None: ...  # None: not a token task
+    def count_tokens(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None: ...  # real tokens of a batch
     def flops_per_sample(self, model: nn.Module, input_shape: tuple[int, ...]) -> int: ...
 
 
 class CrossEntropyTask(ABC):
-    """The shared half of both tasks: forward under precision, drop padding, per-target losses."""
+    """The shared half of the tasks: forward under precision, drop padding, per-target losses.
+    (Cross-entropy is the default per-target loss; regression and multilabel replace it.)"""
 
     name: str
     best_metric: str
     input_dtype: torch.dtype
+    targets: str = "class"
 
     @abstractmethod
-    def inputs_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs_targets(self, batch: Batch) -> tuple[Any, torch.Tensor]:
         """What the model reads and what it should predict."""
 
     @abstractmethod
-    def labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def labels(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """The ``labels=`` a model that computes its own loss takes (Hugging Face's convention)."""
 
     @abstractmethod
     def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The task's own training loss on the logits."""
 
-    def split(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def split(self, batch: Batch) -> tuple[Any, torch.Tensor]:
         """Training's (inputs, targets); the inputs carry the labels, which reach only a model
         built with ``model.use_model_loss=true`` (padding samples' labels ignored)."""
         inputs, targets = self.inputs_targets(batch)
+        inputs = model_inputs(inputs)  # a dict as ModelInputs: it can carry the labels
         return attach_labels(inputs, self.labels(inputs, targets), batch.mask), targets
 
     def loss(self, output: Any, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -86,15 +93,24 @@ class CrossEntropyTask(ABC):
     @abstractmethod
     def tokens_per_sample(self, input_shape: tuple[int, ...]) -> int | None: ...
 
+    def count_tokens(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:
+        """Tokens in a micro-batch (a 0-dim tensor on the batch's device: no sync), padding not
+        counted (attention_mask 0); None: inputs without a mask, not counted here."""
+        return real_tokens(inputs)
+
     def target_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Unreduced cross-entropy, one value per target (shape of ``targets``)."""
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view_as(targets)
 
+    def fit_outputs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The outputs as the per-target losses read them (regression: the targets' shape)."""
+        return logits
+
     def eval_step(self, net: nn.Module, batch: Batch, precision: Precision | None) -> EvalOutput | None:
         inputs, targets = self.inputs_targets(batch)  # no labels: exact metrics on the logits
         with precision.autocast() if precision else torch.autocast("cpu", enabled=False):
-            output = net(inputs)
-        logits = logits_of(output).float()
+            output = call_model(net, inputs)
+        logits = self.fit_outputs(logits_of(output).float(), targets)
         keep, keys = batch.mask, batch.keys
         if keep is not None:
             if not bool(keep.any()):

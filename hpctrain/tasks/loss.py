@@ -2,8 +2,10 @@
 
 NAME is a callable ``(output, target) -> scalar tensor``, like ``torch.nn.functional:nll_loss``
 or an ``nn.Module`` loss instance (``mypkg.losses:focal``). It replaces only the training loss:
-inputs and targets still come from the task's ``split`` and validation keeps the task's own
-metrics, so ``val_loss`` stays the task's cross-entropy, comparable across runs with any loss.
+inputs and targets still come from the task's ``split`` (the data's targets reach it unchecked,
+hpctrain.tasks.data_targets) and validation keeps the task's own metrics, so ``val_loss`` stays
+the task's, comparable across runs with any loss; under the ``custom`` task (targets that are
+not class ids, no task named) validation reports this loss (hpctrain.tasks.custom).
 """
 
 from __future__ import annotations

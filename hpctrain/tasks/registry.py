@@ -15,7 +15,11 @@ if TYPE_CHECKING:
 _TASKS: dict[str, str] = {
     "classification": "hpctrain.tasks.classification:Classification",
     "causal_lm": "hpctrain.tasks.causal_lm:CausalLM",
+    "regression": "hpctrain.tasks.regression:Regression",
+    "multilabel": "hpctrain.tasks.multilabel:Multilabel",
+    "custom": "hpctrain.tasks.custom:Custom",
 }
+LABELLED = ("regression", "multilabel", "custom")  # tasks any labelled data fits (their targets say the rest)
 
 
 def task_names() -> tuple[str, ...]:

@@ -11,6 +11,12 @@ Laps are the measure of progress: every rank of an SPMD loop passes the same pha
 boundaries in the same order, so when the job stalls, the rank with the fewest laps is the
 one the others wait for (they are at most one collective ahead of it).
 
+Laps say where a rank is, not how long it may stay there: after a lap the loop may save,
+validate or only agree on a preemption (one tiny all-reduce). So the loop marks its long
+phases itself, with :func:`during` (validation, a checkpoint save, the resume read): the
+watchdog gives only those its longer allowance; every other phase, the per-step preemption
+agreement included, is judged at the plain timeout.
+
 The same file registers a :mod:`faulthandler` dump on :data:`DUMP_SIGNAL`, so the watchdog
 can ask a rank for every thread's Python stack even while its main thread is blocked in C++
 (faulthandler writes from the signal handler; the GIL is not needed).
@@ -24,6 +30,8 @@ import os
 import signal
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -40,21 +48,26 @@ _SIZE = 64
 
 # Phases beyond the meter's (hpctrain.telemetry.meter: DATA..OTHER = 0..6): where no lap is.
 STARTING, FINISHING = -1, 7
+# The long phases the loop marks with during() (not laps: a mark is no progress).
+VALIDATING, SAVING, RESUMING = 8, 9, 10
 # What a rank does after the phase it lapped last (the meter laps a phase when it ends).
 DOING_AFTER = {
-    STARTING: "start-up or its first step (model, data, resume, first batch)",
+    STARTING: "start-up or its first step (model, data, first batch)",
     0: "forward/backward (the batch is loaded)",
     1: "backward and the gradient all-reduce",
     2: "the optimizer step, or the next micro-batch's data",
     3: "the after-step hooks (profiler, straggler gather)",
-    6: "validation or the checkpoint schedule (a save, the preemption agreement)",
-    5: "the checkpoint schedule (a save, the preemption agreement)",
+    6: "the step's end (the preemption agreement, the checkpoint schedule's decision)",
+    5: "the checkpoint schedule after validation (the preemption agreement)",
     4: "loading the next batch",
     FINISHING: "the final validation and save",
+    VALIDATING: "validation",
+    SAVING: "a checkpoint save",
+    RESUMING: "the resume (reading a checkpoint)",
 }
 # Where a rank may be busy for long without a lap: the watchdog gives these more time (the
 # first step too: compilation, FLOP counting). Start-up is not judged at all (see watchdog).
-LONG_PHASES = frozenset({5, 6, FINISHING})
+LONG_PHASES = frozenset({VALIDATING, SAVING, RESUMING, FINISHING})
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,7 @@ class Heartbeat:
 
     def __init__(self, path: Path, rank: int, restart: int) -> None:
         self.path, self.rank, self.restart, self.pid = path, rank, restart, os.getpid()
-        self.laps, self.step, self.done = 0, 0, 0
+        self.laps, self.step, self.done, self.phase = 0, 0, 0, STARTING
         tmp = path.with_name(f".{path.name}.{self.pid}")
         with open(tmp, "wb") as f:  # whole size first: a reader never maps a short file
             f.write(bytes(_SIZE))
@@ -105,6 +118,7 @@ class Heartbeat:
         self.step = step
 
     def _store(self, phase: int) -> None:
+        self.phase = phase
         _FORMAT.pack_into(self._map, 0, _MAGIC, self.rank, self.restart, self.pid, phase, self.laps, self.step,
                           self.done, time.monotonic())
 
@@ -147,6 +161,23 @@ def from_env(environ: dict[str, str] | None = None) -> Heartbeat | None:
         faulthandler.register(DUMP_SIGNAL, file=_stack_file, all_threads=True, chain=False)
     _current = Heartbeat(beat_path(Path(directory), rank), rank, int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
     return _current
+
+
+@contextmanager
+def during(phase: int) -> Iterator[None]:
+    """Mark a long phase (:data:`VALIDATING`, :data:`SAVING`, :data:`RESUMING`) for the
+    watchdog, which then allows it ``LONG_FACTOR`` x the hang timeout; afterwards the phase
+    before it again, counted from now. Nothing without ``hpctrain run``'s heartbeat."""
+    beat = from_env()
+    if beat is None:
+        yield
+        return
+    before = beat.phase
+    beat._store(phase)
+    try:
+        yield
+    finally:
+        beat._store(before)
 
 
 def finishing() -> None:

@@ -29,6 +29,40 @@ from hpctrain.errors import UserError, io_error
 log = logging.getLogger("hpctrain")
 
 BACKENDS = ("jsonl", "tensorboard", "mlflow", "wandb")
+LOG_FORMAT = "%(asctime)s %(source)s %(levelname)s %(message)s"  # source: hpctrain, or the other library's logger
+
+
+def _ours(record: logging.LogRecord) -> bool:
+    return record.name == "hpctrain" or record.name.startswith("hpctrain.")
+
+
+class _Named(logging.Formatter):
+    """hpctrain's lines as ``hpctrain LEVEL``; another library's under its own logger's name."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.source = "hpctrain" if _ours(record) else record.name
+        return super().format(record)
+
+
+def _keep(record: logging.LogRecord) -> bool:
+    """Other libraries' warnings are mostly import noise of optional parts (torchao's missing
+    CUDA kernels, "no triton" on a CPU host): their errors pass, their warnings and info do not."""
+    return _ours(record) or record.levelno >= logging.ERROR
+
+
+def log_handler() -> logging.Handler:
+    """The console handler of the CLI's log (stderr)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Named(LOG_FORMAT, datefmt="%H:%M:%S"))
+    handler.addFilter(_keep)
+    return handler
+
+
+def configure_logging(is_main: bool) -> None:
+    """The CLI's log: INFO on the main rank (WARNING elsewhere), hpctrain's lines only, plus other
+    libraries' errors under their own names. Like ``logging.basicConfig``, a no-op when the root
+    logger has handlers already (a caller's own set-up stays)."""
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, handlers=[log_handler()])
 METRICS_FILE = "metrics.jsonl"
 
 

@@ -52,6 +52,7 @@ class _Mark:
     step: int
     seconds: list[float]
     forward: float
+    tokens: float = 0.0  # this rank's tokens counted step by step (Meter.add_tokens), when it counts them
 
 
 @dataclass
@@ -73,6 +74,8 @@ class Meter:
     flops_divisor: int = 1
     step_flops: int | None = None       # one rank's FLOPs per optimizer step (counted on the first batch)
     tokens_per_step: int | None = None  # over all ranks, when the batch says how many tokens it holds
+    # True: every micro-batch's real tokens are added (add_tokens): padded batches hold different counts
+    tokens_each_step: bool = False
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
@@ -82,6 +85,7 @@ class Meter:
         self._seconds = [0.0] * _N_PHASES
         self._forward_device = 0.0  # seconds of forward read from CUDA events so far
         self._mem_peak = 0.0
+        self._tokens: Any = 0  # a device tensor once counting: added without a sync, read at marks
         self._warned = False
         self.counted = False
         self._beat = heartbeat.from_env()  # under hpctrain run: the launcher's watchdog reads it
@@ -109,6 +113,16 @@ class Meter:
             self._events.mark(phase)
         if self._beat is not None:
             self._beat.beat(phase)
+
+    def add_tokens(self, count: Any) -> None:
+        """This rank's real tokens of a micro-batch (a tensor is added on its device, read only
+        at interval ends: no sync on the hot path)."""
+        self._tokens = self._tokens + count
+
+    @property
+    def tokens_counted(self) -> float:
+        """This rank's tokens added so far (add_tokens)."""
+        return float(self._tokens)
 
     def finishing(self) -> None:
         """The loop is over: the heartbeat says so (the final validation and save may take
@@ -173,7 +187,8 @@ class Meter:
         if self._events is not None:
             self._forward_device += self._events.collect()
         forward = self._forward_device if self._events is not None else self._seconds[FORWARD]
-        return _Mark(time.perf_counter(), self.step if step is None else step, list(self._seconds), forward)
+        tokens = float(self._tokens) if self.tokens_each_step else 0.0
+        return _Mark(time.perf_counter(), self.step if step is None else step, list(self._seconds), forward, tokens)
 
     def _window(self, start: _Mark, end: _Mark) -> dict[str, Any]:
         wall = max(end.time - start.time, 1e-9)
@@ -182,7 +197,9 @@ class Meter:
         spent = [b - a for a, b in zip(start.seconds, end.seconds)]
         row: dict[str, Any] = {"samples_per_s": steps * self.global_batch / wall, "data_wait_share": spent[DATA] / wall}
         row |= {name: sum(spent[p] for p in phases) / per_step for name, phases in _COLUMNS.items()}
-        if self.tokens_per_step is not None:
+        if self.tokens_each_step:  # this rank's counted tokens, as many on every data-parallel rank
+            row["tokens_per_s"] = (end.tokens - start.tokens) * self.world_size / wall
+        elif self.tokens_per_step is not None:
             row["tokens_per_s"] = steps * self.tokens_per_step / wall
         training = wall - spent[EVAL]  # validation FLOPs are not counted, so neither is its time
         if self.step_flops and self.peak is not None and steps and training > 0:

@@ -1,9 +1,13 @@
 """The trained model out of every strategy: RUN_DIR/model.pt written by rank 0 one tensor at a
 time (:mod:`hpctrain.weights.export`), gathered from shards, pipeline stages or DeepSpeed's
-partitions by the strategy's own source, and the weights' hash every rank reports in the summary."""
+partitions by the strategy's own source, and the weights' hashes every rank reports in the
+summary: ``params_sha256`` (the parameters) and ``buffers_sha256`` (the buffers: BatchNorm's
+running statistics and counters), each over its tensors' bytes in sorted-name order."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,27 +15,57 @@ import torch
 
 from hpctrain.env import ClusterEnv
 from hpctrain.errors import agree
-from hpctrain.weights.export import write_stream
+from hpctrain.rundir import ParamsHash
+from hpctrain.weights.export import Source, write_stream
 
 if TYPE_CHECKING:
     from hpctrain.parallel.base import Strategy
 
 
-def save_model_streamed(strategy: Strategy, path: Path) -> str:
+@dataclass(frozen=True)
+class Digests:
+    """sha256 of model.pt's parameters and of its buffers (that of no bytes for a model without any)."""
+
+    params: str
+    buffers: str
+
+
+def save_model_streamed(strategy: Strategy, path: Path) -> Digests:
     """RUN_DIR/model.pt, one consolidated file written by rank 0 one tensor at a time: a sharded
     model (FSDP, HSDP, TP) or a pipeline's stages are gathered tensor by tensor, never whole on
-    one rank. Returns params_sha256 (hashed from the streamed tensors) on every rank. Every rank
-    calls it; a failed write fails every rank."""
+    one rank. Every rank's buffers are first made rank 0's, so the file holds the model every
+    rank validated. Returns the digests (hashed from the streamed tensors) on every rank. Every
+    rank calls it; a failed write fails every rank."""
     env = strategy.env
+    strategy.sync_buffers()
     names = strategy.param_names()
-    written = agree("writing model.pt", lambda: write_stream(path, strategy.export_source(),
+    source = strategy.export_source()
+    buffers = ParamsHash(set(strategy.buffer_names()) & {spec.name for spec in source.specs})
+    written = agree("writing model.pt", lambda: write_stream(path, _hashing(source, buffers),
                                                             write=env.is_main, param_names=names))
-    return _params_sha256(written.params_sha256 if written is not None else None, env)
+    mine = (written.params_sha256 or "", buffers.hexdigest()) if written is not None else ("", "")
+    params, buffer_digest = _from_rank0(mine, env)
+    return Digests(params, buffer_digest)
 
 
-def _params_sha256(digest: str | None, env: ClusterEnv) -> str:
-    """Rank 0's hash of the streamed weights (rundir.params_sha256's), on every rank."""
-    shared = [digest if env.is_main else ""]
+def _hashing(source: Source, buffers: ParamsHash) -> Source:
+    """``source`` whose tensors also feed ``buffers`` (which skips the names it was not given)."""
+
+    def tensors() -> Iterator[torch.Tensor | None]:
+        for spec in source.specs:
+            tensor = next(source.tensors, None)
+            if tensor is not None:  # rank 0's whole tensor (None on the other ranks)
+                buffers.update(spec.name, tensor)
+            yield tensor
+            del tensor  # not kept while the next one is gathered
+        yield from source.tensors  # more than announced: write_stream reports it
+
+    return Source(source.specs, tensors(), source.live)
+
+
+def _from_rank0(digests: tuple[str, str], env: ClusterEnv) -> tuple[str, str]:
+    """Rank 0's hashes of the streamed weights (rundir.params_sha256's), on every rank."""
+    shared = [digests if env.is_main else ("", "")]
     if env.distributed:
         torch.distributed.broadcast_object_list(shared, src=0)
-    return str(shared[0])
+    return shared[0][0], shared[0][1]

@@ -1,9 +1,22 @@
 # Shared by the test-cluster scripts beside this file (sourced, not run). Debian/Ubuntu, root.
-# Everything lives under $LAB (default /tmp/hpctrain-slurm): configs, munge keys, state, logs, pid files.
+# Everything lives under $LAB (default /tmp/hpctrain-slurm-$TAG): configs, munge keys, state, logs, pid files.
 # Nothing outside it is written except what apt-get installs and, for the 2-node cluster, the
 # network namespaces, veths and bridge that multinode-up.sh creates and multinode-down.sh removes.
-
-LAB=${HPCTRAIN_SLURM_LAB:-/tmp/hpctrain-slurm}
+#
+# Per checkout: two checkouts testing on one machine must not share a cluster (one munged's socket lock,
+# one controller's ports) or a bridge. TAG, a short hash of this checkout's path, names the directory,
+# the namespaces, veths and bridge, and picks the ports, the 2-node subnet and the first job id (a job's
+# rendezvous port is 20000 + job id mod 20000, so the clusters' jobs must not share ids either).
+CHECKOUT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
+TAG=$(printf %s "$CHECKOUT" | sha256sum | cut -c1-6)
+SLOT=$(( 16#${TAG:0:4} % 400 ))                 # 0..399
+LAB=${HPCTRAIN_SLURM_LAB:-/tmp/hpctrain-slurm-$TAG}
+PORT1=$(( 6800 + 2 * SLOT ))                     # 1-node slurmctld; slurmd on PORT1 + 1 (6800..7599)
+PORT2=$(( 7600 + 2 * SLOT ))                     # 2-node slurmctld; slurmd on PORT2 + 1 (7600..8399)
+FIRST_JOB=$(( 1 + 50 * SLOT ))
+NET="10.$(( 100 + SLOT / 200 )).$(( SLOT % 200 ))" # the 2-node /24: host .1, node1 .11, node2 .12
+BRIDGE=htcbr$TAG                                 # interface names: at most 15 characters
+NS=htc$TAG                                       # namespaces $NS-1, $NS-2; host veths ${NS}v1, ${NS}v2
 PKGS="slurmctld slurmd slurm-client munge"
 
 die() { echo "$*" >&2; exit 1; }
@@ -58,7 +71,8 @@ start_munged() {
 # (root jobs, no cgroups or accounting, fast scheduling, requeue allowed). Nodes are appended by the caller.
 slurm_conf() {
   cat <<CONF
-ClusterName=hpctrain$(basename "$1")
+ClusterName=htc$TAG$(basename "$1")
+FirstJobId=$FIRST_JOB
 SlurmctldHost=$2($3)
 SlurmctldPort=$4
 SlurmdPort=$5

@@ -11,8 +11,8 @@ if [ "${1:-}" != --network-only ]; then
   stop slurmctld "$L/run/slurmctld.pid"; stop munged "$L/munge/munged.pid"
 fi
 if [ "${1:-}" != --slurm-only ]; then
-  for i in 1 2; do ip netns del "htc$i" 2>/dev/null; ip link del "htcv$i" 2>/dev/null; done
-  ip link del htcbr0 2>/dev/null
+  for i in 1 2; do ip netns del "$NS-$i" 2>/dev/null; ip link del "${NS}v$i" 2>/dev/null; done
+  ip link del "$BRIDGE" 2>/dev/null
 fi
 [ "${1:-}" = --purge ] && rm -rf "$L"
 true

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A real single-node Slurm on this machine for the tests (Debian/Ubuntu, root, no systemd or cgroups
 # needed): Debian's slurmctld + slurmd + a private munged, each with its own config under
-# $HPCTRAIN_SLURM_LAB/one (default /tmp/hpctrain-slurm/one), on ports 6837/6838 so that it does not
-# clash with a Slurm already on the machine. Idempotent: returns at once when it is already up.
+# $HPCTRAIN_SLURM_LAB/one (default /tmp/hpctrain-slurm-TAG/one, TAG a hash of this checkout's path: see
+# lib.sh), on ports PORT1/PORT1+1 of this checkout (within 6800..7599) so that it clashes neither with a
+# Slurm already on the machine nor with another checkout's. Idempotent: returns at once when it is already up.
 # Last line of output: SLURM_CONF=PATH (export it to use the cluster). Stop with slurm-down.sh.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
@@ -13,7 +14,7 @@ NODE=$(hostname -s)
 mkdir -p "$L/state/ctld" "$L/log" "$L/run"
 HW=$(slurmd -C | sed -nE '1s/^NodeName=[^ ]+ (.*) RealMemory=.*/\1/p')
 MEM=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) * 9 / 10240 ))   # 90% of RAM, MiB
-CONF="$(slurm_conf "$L" "$NODE" 127.0.0.1 6837 6838)
+CONF="$(slurm_conf "$L" "$NODE" 127.0.0.1 "$PORT1" $(( PORT1 + 1 )))
 NodeName=$NODE NodeAddr=127.0.0.1 $HW RealMemory=$MEM State=UNKNOWN
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP"
 if [ "$(cat "$SLURM_CONF" 2>/dev/null)" = "$CONF" ] && alive munged "$L/munge/munged.pid" \

@@ -171,7 +171,7 @@ def test_every_loader_restarts_on_each_iter(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("name", "says"), [
     ("make_strings", rf"data.name={MOD}:make_strings train\[\d+\] is a str, not an \(input, target\) pair; hint:"),
     ("make_bad_label", rf"data.name={MOD}:make_bad_label train\[5\] has label 7, outside \[0, 3\); hint: class ids"),
-    ("make_no_classes", r"the number of classes is unknown; hint: set model.num_classes"),
+    # make_no_classes: the model's output width gives the count now (tests/test_user_code_errors.py)
     ("nothing_here", rf"data.name='{MOD}:nothing_here': module '{MOD}' has no 'nothing_here'"),
 ])
 def test_bad_user_data_exits_2_naming_the_sample(tmp_path: Path, capsys, name: str, says: str) -> None:

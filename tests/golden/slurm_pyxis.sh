@@ -19,6 +19,8 @@ set -u
 RUN_DIR=/work/project/runs/golden
 MAX_REQUEUES=3
 echo "hpctrain: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST at $(date -u +%FT%TZ)"
+OMP_NUM_THREADS=$(( ${SLURM_CPUS_ON_NODE:-1} / 4 ))  # no --cpus-per-task: the CPUs Slurm gave this node's task, per rank
+[ "$OMP_NUM_THREADS" -ge 1 ] || OMP_NUM_THREADS=1; export OMP_NUM_THREADS
 export GLOO_SOCKET_IFNAME=ib0
 export NCCL_DEBUG=WARN
 export NCCL_SOCKET_IFNAME=ib0

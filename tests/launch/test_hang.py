@@ -43,7 +43,7 @@ def test_phase_names_follow_the_meter() -> None:
     assert heartbeat.DOING_AFTER[meter.DATA].startswith("forward")
     assert heartbeat.DOING_AFTER[meter.OPTIM].startswith("the after-step")
     assert heartbeat.DOING_AFTER[meter.CKPT] == "loading the next batch"
-    assert heartbeat.LONG_PHASES == {meter.EVAL, meter.OTHER, heartbeat.FINISHING}
+    assert heartbeat.LONG_PHASES == {heartbeat.VALIDATING, heartbeat.SAVING, heartbeat.RESUMING, heartbeat.FINISHING}
 
 
 def test_a_heartbeat_counts_laps_and_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,8 +110,8 @@ def test_a_tie_goes_to_the_stopped_rank_and_long_phases_get_more_time(
         tmp_path: Path, sleepers: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(watchdog, "python_stacks", lambda _dir, rank: "")
     dog = watchdog.Watchdog(tmp_path, 5.0, tmp_path / "run", "t")
-    _write_beat(tmp_path, 0, sleepers[0].pid, 30, meter.OTHER, age=12)  # validation or a save: 3 x 5 s allowed
-    _write_beat(tmp_path, 1, sleepers[1].pid, 30, meter.OTHER, age=12)
+    _write_beat(tmp_path, 0, sleepers[0].pid, 30, heartbeat.SAVING, age=12)  # a save: 3 x 5 s allowed
+    _write_beat(tmp_path, 1, sleepers[1].pid, 30, heartbeat.SAVING, age=12)
     _write_beat(tmp_path, 2, sleepers[2].pid, 30, heartbeat.STARTING, age=1000, done=0)  # start-up: never judged
     assert dog.check(time.monotonic()) is None
     os.kill(sleepers[1].pid, signal.SIGSTOP)
