@@ -158,7 +158,8 @@ def _older_run(path: Path, names: list[str]) -> bool:
     claiming = {n for n in names if re.fullmatch(rf"\.{re.escape(MARKER)}\.tmp-\d+", n)}
     if LOCK in names and set(names) - claiming <= {LOCK, CHECKPOINTS}:
         return True
-    if SCRIPT in names and _head(path / SCRIPT, 200).startswith("# Written by `hpctrain slurm`"):
+    if SCRIPT in names and any(line.startswith("# Written by `hpctrain slurm`")  # below its #SBATCH lines
+                               for line in _head(path / SCRIPT, 4000).splitlines()):
         return True
     if CONFIG not in names or STATUS not in names:
         return False

@@ -126,6 +126,24 @@ def test_started_by_hpctrain_slurm_is_its_own(tmp_path: Path) -> None:
         check_run_dir(run, False, "auto")
 
 
+def test_a_job_hpctrain_slurm_wrote_is_its_own(tmp_path: Path) -> None:
+    """The script as `hpctrain slurm` renders it (#SBATCH lines first) marks the folder as
+    hpctrain's; and writing it claims the folder, so the job's ranks start there (a 2-node job
+    was refused over its own hpctrain.sbatch, slurm-*.out and slurm-jobs.json)."""
+    from hpctrain.launch.slurm import JOBS_FILE, write_script
+
+    old = tmp_path / "older"
+    old.mkdir()
+    shutil.copy(Path(__file__).parent / "golden" / "slurm_plain.sh", old / "hpctrain.sbatch")
+    (old / "slurm-7.out").write_text("")
+    assert check_run_dir(old, False, "auto") == "start"
+    new = tmp_path / "new"
+    write_script(type("Plan", (), {"run_dir": new})(), "#!/bin/bash\n#SBATCH --nodes=2\n")
+    (new / "slurm-8.out").write_text("")
+    (new / JOBS_FILE).write_text("{}")
+    assert (new / MARKER).is_file() and check_run_dir(new, False, "auto") == "start"
+
+
 @pytest.mark.parametrize("where", ["/", "/usr", "/etc", "/bin", "/var", "/tmp", "/home", "~", "/proc/self"])
 def test_system_roots_and_home_are_refused(where: str, tmp_path: Path, hpctrain_in_process: Run) -> None:
     result = hpctrain_in_process(["train", *TINY, "train.max_steps=1", f"run.dir={where}"], tmp_path)

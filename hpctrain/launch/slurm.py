@@ -34,7 +34,7 @@ from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.errors import UserError
 from hpctrain.launch.container import Container, Runtime, check_mount, unique_paths
 from hpctrain.launch.program import SIGNALS_ENV, user_program
-from hpctrain.rundir import atomic_write_text, check_run_dir, resolve_run_dir, write_json
+from hpctrain.rundir import atomic_write_text, check_run_dir, claim_run_dir, resolve_run_dir, write_json
 
 SCRIPT_NAME = "hpctrain.sbatch"
 JOBS_FILE = "slurm-jobs.json"
@@ -494,6 +494,7 @@ def _outcome(plan: JobPlan) -> list[str]:
 
 def write_script(plan: JobPlan, text: str) -> Path:
     plan.run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(plan.run_dir)  # the job's ranks then find a run directory of hpctrain's, not foreign files
     path = plan.run_dir / SCRIPT_NAME
     atomic_write_text(path, text)
     path.chmod(0o755)
