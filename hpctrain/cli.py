@@ -194,19 +194,26 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging()  # inside: a malformed launcher variable is an input error too
         return int(args.func(args) or 0)
     except HpctrainError as err:  # every deliberate error: a message and its exit code
-        print(f"hpctrain {args.command}: error: {err}", file=sys.stderr)
+        _say(f"hpctrain {args.command}: error: {err}")
         return _leave(err.exit_code, whole_process=argv is None)
     except KeyboardInterrupt:
-        print(f"hpctrain {args.command}: interrupted", file=sys.stderr)
+        _say(f"hpctrain {args.command}: interrupted")
         return 130
     except OSError as err:  # disk full, read-only, permission denied: the machine's state, not a bug
         if err.errno not in IO_ERRNOS:
             return _internal_error(args.command, err, whole_process=argv is None)
         known = _io_error(err)
-        print(f"hpctrain {args.command}: error: {known}", file=sys.stderr)
+        _say(f"hpctrain {args.command}: error: {known}")
         return _leave(known.exit_code, whole_process=argv is None)
     except Exception as err:  # noqa: BLE001 - a bug: say so first, then show where
         return _internal_error(args.command, err, whole_process=argv is None)
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write: under `python -u` print() writes the text and its newline
+    apart, and two ranks failing alike ran their lines together ("...run.dirhpctrain train: error")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _internal_error(command: str, err: Exception, whole_process: bool) -> int:

@@ -1,5 +1,8 @@
 """The CLI: resolved config, references, and clear errors with exit code 2 (no traceback)."""
 
+import io
+import sys
+
 import pytest
 import yaml
 
@@ -131,3 +134,19 @@ def test_a_short_run_logs_plain_numbers_and_draws_no_bar_off_a_terminal(tmp_path
 
     assert [_shown(v) for v in (10000.0, 0.98123, 12345.67, 2)] == ["10000", "0.9812", "12346", "2"]
     assert "2/2 [" not in capsys.readouterr().err  # pytest's stderr is no terminal: no progress bar
+
+
+def test_an_error_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks failing alike share one stderr: each error line leaves in one write, newline
+    included, so the lines never run together (print() under `python -u` wrote them apart)."""
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    assert main(["config", "show", "data.batchsize=32"]) == 2
+    assert len(writes) == 1 and writes[0].startswith("hpctrain config: error: unknown key 'data.batchsize'")
+    assert writes[0].endswith("\n") and writes[0].count("\n") == 1

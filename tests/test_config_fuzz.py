@@ -114,7 +114,7 @@ def test_random_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     keys += ["optim.kwargs.eps", "nope.x", "model..name", "model.name.x", ".", ""]
     codes = set()
     with _hang_guard(60):
-        for case in range(OVERRIDES):
+        for _ in range(OVERRIDES):
             argv = [f"{rng.choice(keys)}={''.join(rng.choices(VALUE_PARTS, k=rng.randint(1, 3)))}"
                     for _ in range(rng.randint(1, 3))]
             code, err = _outcome(["config", "show", *argv], capsys)

@@ -17,8 +17,10 @@ import pytest
 from hpctrain.checkpoint import layout
 from hpctrain.config import load_config
 from hpctrain.rundir import MARKER, RunDirError, check_run_dir, resolve_run_dir
-from tests.test_bad_inputs import Outcome, hpctrain_in_process  # noqa: F401 - the fixture
+from tests import test_bad_inputs
+from tests.test_bad_inputs import Outcome
 
+hpctrain_in_process = test_bad_inputs.hpctrain_in_process  # the fixture: `hpctrain ARGV` in this process
 Run = Callable[[list[str], Path], Outcome]
 TINY = ["model.name=tests.ckpt_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=64",
         "data.batch_size=16", "data.max_val_samples=16", "train.progress=false", "checkpoint.every_steps=2",

@@ -125,6 +125,8 @@ def _read_tar(path: Path) -> tuple[list[tuple[str, Members, dict[str, int]]], li
                     raise ShardError(f"{path} ends inside sample {key!r} (its last member's padding); a truncated "
                                      f"tar; hint: copy or write it again")
                 crcs.append(_crc_range(fh.fileno(), start, end))
+    except ShardError:
+        raise  # already names the tar and its hint (a UserError is a ValueError too)
     except (OSError, tarfile.TarError, ValueError, OverflowError, EOFError) as err:
         raise ShardError(f"{path} cannot be read as a tar file: {err}; hint: check the file (tar tf {path})") from err
     return scanned, crcs

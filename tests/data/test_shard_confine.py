@@ -154,8 +154,10 @@ def _tar_with_member(path: Path, declared: int) -> None:
 
 def test_a_member_declaring_100_gb_is_refused_before_it_is_read(tmp_path, capsys):
     _tar_with_member(tmp_path / "train-0.tar", 100 * 2**30)
-    with pytest.raises(ShardError, match=r"member 'a\.cls' declares 107374182400 bytes .* past the end of the file"):
+    declared = r"member 'a\.cls' declares 107374182400 bytes .* past the end of the file"
+    with pytest.raises(ShardError, match=declared) as err:
         index_tar(tmp_path / "train-0.tar")
+    assert str(err.value).count("hint:") == 1, err.value  # one message, not re-wrapped with a second hint
     code = main(["data", "index", str(tmp_path), "--split", "train"])
     assert code == 2 and "107374182400" in capsys.readouterr().err
     assert not manifest_path(tmp_path, "train").exists()
