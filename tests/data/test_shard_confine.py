@@ -32,8 +32,8 @@ def _write(root: Path, split: str = "train", n: int = 8) -> dict:
     return write_shards(samples, root, split, samples_per_shard=4)
 
 
-def _edit_manifest(root: Path, change) -> None:
-    path = manifest_path(root, "train")
+def _edit_manifest(root: Path, change, split: str = "train") -> None:
+    path = manifest_path(root, split)
     manifest = json.loads(path.read_text())
     change(manifest)
     path.write_text(json.dumps(manifest))
@@ -45,10 +45,7 @@ def _outside(tmp_path: Path) -> Path:
     data = tmp_path / "data"
     _write(data)
     (data / "train-000000.tar").unlink()
-
-    def point_out(m: dict) -> None:
-        m["shards"][0]["name"] = "../outside/train-000000.tar"
-    _edit_manifest(data, point_out)
+    _edit_manifest(data, lambda m: m["shards"][0].update(name="../outside/train-000000.tar"))
     return data
 
 

@@ -15,40 +15,17 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from hpctrain.data.errors import ShardError
 from hpctrain.data.foreign import _mirror_bytes, plan
 from hpctrain.data.manifest import load_manifest, manifest_path
-from hpctrain.data.pack import cls_bytes, npy_bytes
 from hpctrain.data.stage import is_current, stage_shards, stage_target
 from hpctrain.data.text import text_layout
-from hpctrain.data.writer import write_shards
 from hpctrain.env import ClusterEnv
+from tests.data.test_shard_confine import _edit_manifest as _edit
+from tests.data.test_shard_confine import _outside, _write
 from tests.dist_utils import ROOT
-
-
-def _write(root: Path, split: str = "train", n: int = 8) -> dict:
-    samples = ((f"s{i:04d}", {"npy": npy_bytes(np.full(4, i, np.float32)), "cls": cls_bytes(i % 2)}) for i in range(n))
-    return write_shards(samples, root, split, samples_per_shard=4)
-
-
-def _edit(root: Path, change, split: str = "train") -> None:
-    path = manifest_path(root, split)
-    manifest = json.loads(path.read_text())
-    change(manifest)
-    path.write_text(json.dumps(manifest))
-
-
-def _outside(tmp_path: Path) -> Path:
-    """data/ whose manifest names ../outside/train-000000.tar, a valid shard outside data/."""
-    _write(tmp_path / "outside")
-    data = tmp_path / "data"
-    _write(data)
-    (data / "train-000000.tar").unlink()
-    _edit(data, lambda m: m["shards"][0].update(name="../outside/train-000000.tar"))
-    return data
 
 
 def _stage(data: Path, stage: Path) -> Path:
