@@ -65,7 +65,7 @@ def bench_restart(scratch: Path, local_dir: Path, gb: float, repeats: int) -> di
     from hpctrain.checkpoint import layout
     from hpctrain.checkpoint.checkpointer import Checkpointer
     from hpctrain.config import load_config
-    from hpctrain.env import ClusterEnv
+    from hpctrain.core.env import ClusterEnv
 
     parts = build_parts(gb)
     cfg = load_config(None, ["checkpoint.every_seconds=None", f"checkpoint.local_dir={local_dir}"]).checkpoint

@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagecache import evict  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 import hpctrain.data.loader as shard_loader  # noqa: E402
+from hpctrain.core.env import ClusterEnv  # noqa: E402
 from hpctrain.data.loader import ShardedLoader  # noqa: E402
 from hpctrain.data.pack import npy_bytes  # noqa: E402
 from hpctrain.data.writer import write_shards  # noqa: E402
-from hpctrain.env import ClusterEnv  # noqa: E402
 
 BATCH = 64
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from hpctrain import env as cluster
+from hpctrain.core import env as cluster
 from hpctrain.data.memory import EvalLoader
 from hpctrain.data.sources import load_dataset
 from hpctrain.evaluation.evaluate import evaluate

@@ -18,7 +18,7 @@ import timeit
 import torch
 
 from hpctrain.config import load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.parallel.plan import plan_for
 from hpctrain.telemetry import heartbeat
 from hpctrain.telemetry.loop import Telemetry

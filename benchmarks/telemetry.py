@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hpctrain.env import ClusterEnv, init_distributed, teardown
+from hpctrain.core.env import ClusterEnv, init_distributed, teardown
 
 
 def _free_port() -> int:

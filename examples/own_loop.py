@@ -25,12 +25,12 @@ from torch.utils.data import TensorDataset
 
 import hpctrain
 from hpctrain.checkpoint import EXIT_PREEMPTED, Checkpointer
-from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.state import Counters
+from hpctrain.config.checkpoint import CheckpointConfig
+from hpctrain.config.parallel import ParallelConfig
 from hpctrain.data.memory import EvalLoader, MemoryLoader
 from hpctrain.evaluation.metrics import Accuracy, MeanLoss
 from hpctrain.parallel import strategy_for
-from hpctrain.parallel.config import ParallelConfig
 from hpctrain.rundir import params_sha256
 from hpctrain.telemetry.meter import Meter
 

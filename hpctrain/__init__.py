@@ -14,9 +14,9 @@ from hpctrain._version import __version__ as __version__
 if TYPE_CHECKING:  # the same names as _EXPORTS, for type checkers (tests/test_imports.py compares them)
     from hpctrain.checkpoint.loop import LoopCheckpoint
     from hpctrain.config import Config, ConfigError, load_config
+    from hpctrain.core.env import ClusterEnv, detect, init_distributed, teardown
     from hpctrain.data.memory import EvalLoader
     from hpctrain.data.sampler import EvalSampler, ResumableSampler
-    from hpctrain.env import ClusterEnv, detect, init_distributed, teardown
     from hpctrain.evaluation.evaluate import evaluate, evaluate_dataset, sum_over_ranks
     from hpctrain.evaluation.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric
     from hpctrain.parallel import parallelize, unwrap
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the same names as _EXPORTS, for type checkers (tests/test_i
 _EXPORTS = {
     **dict.fromkeys(("Config", "ConfigError", "load_config"), "hpctrain.config"),
     "EvalLoader": "hpctrain.data.memory",
-    **dict.fromkeys(("ClusterEnv", "detect", "init_distributed", "teardown"), "hpctrain.env"),
+    **dict.fromkeys(("ClusterEnv", "detect", "init_distributed", "teardown"), "hpctrain.core.env"),
     **dict.fromkeys(("evaluate", "evaluate_dataset", "sum_over_ranks"), "hpctrain.evaluation.evaluate"),
     "LoopCheckpoint": "hpctrain.checkpoint.loop",
     **dict.fromkeys(("EvalSampler", "ResumableSampler"), "hpctrain.data.sampler"),

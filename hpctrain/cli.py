@@ -12,8 +12,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpctrain.env import detect, started_a_group
-from hpctrain.errors import EXIT_RUN_FAILED, IO_ERRNOS, HpctrainError, io_error, user_code_error
+from hpctrain.core.env import detect, started_a_group
+from hpctrain.core.errors import EXIT_RUN_FAILED, IO_ERRNOS, HpctrainError, io_error, user_code_error
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
@@ -83,7 +83,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     from hpctrain.config import reference_markdown, to_yaml
 
     if args.action == "doc":
-        from hpctrain.errors import UserError
+        from hpctrain.core.errors import UserError
 
         if len(args.config_args) > 1:
             raise UserError(f"config doc takes at most one SECTION, got {' '.join(args.config_args)}; "

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from hpctrain.optim_config import OPTIMIZERS, SCHEDULES, ConfigError, OptimConfig
-from hpctrain.section import load_import_path
+from hpctrain.config.optim import OPTIMIZERS, SCHEDULES, ConfigError, OptimConfig
+from hpctrain.core.section import load_import_path
 
 
 class EpochPosition(Protocol):

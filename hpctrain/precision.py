@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hpctrain.errors import RunError, UserError
+from hpctrain.core.errors import RunError, UserError
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: bf16 outside the linears
 MODES = ("fp32", "bf16", "fp16", "fp8")

@@ -24,13 +24,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from hpctrain.errors import RunError, UserError, agree, describe, io_error, io_message
+from hpctrain.core.errors import RunError, UserError, agree, describe, io_error, io_message
 
 if TYPE_CHECKING:  # only the hashing helpers touch tensors; `hpctrain slurm` writes its script here without torch
     import torch
     from torch import nn
 
-    from hpctrain.run_lock import RunDirLock
+    from hpctrain.core.run_lock import RunDirLock
 
 log = logging.getLogger("hpctrain")
 
@@ -88,7 +88,7 @@ def _expand(template: str) -> str:
 
 BEST_FILE = "best.json"  # checkpoints/best.json, the best step's record (hpctrain.checkpoint.layout)
 MARKER = ".hpctrain-run.json"  # hpctrain's claim on a run directory, listing the names it writes there
-LOCK = ".hpctrain.lock"  # hpctrain.run_lock's (not imported: that module needs fcntl, this one runs anywhere)
+LOCK = ".hpctrain.lock"  # hpctrain.core.run_lock's (not imported: that module needs fcntl, this one runs anywhere)
 CONFIG, STATUS, SCRIPT = "config.yaml", "status.json", "hpctrain.sbatch"
 # The outputs of one run: what run.overwrite=true removes before a new run starts (when the
 # marker lists them), so two runs' metrics, weights and summaries never mix. config.yaml and

@@ -21,11 +21,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hpctrain import env as cluster
 from hpctrain.checkpoint import Checkpointer
 from hpctrain.checkpoint.preempt import Preempted, SignalFlag, signal_names, write_status
 from hpctrain.checkpoint.state import Counters
 from hpctrain.config import Config, ConfigError, to_yaml
+from hpctrain.core import env as cluster
+from hpctrain.core.run_lock import RunDirLock
+from hpctrain.core.section import to_dict
 from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data, eval_batch_size
 from hpctrain.data.batch import main_input
 from hpctrain.data.user import bound_stream
@@ -39,7 +41,6 @@ from hpctrain.parallel.base import Strategy
 from hpctrain.parallel.plan import Plan, make_plan
 from hpctrain.parallel.registry import make_strategy
 from hpctrain.precision import LateRead, NumericsWatch, Precision, local_max_abs
-from hpctrain.run_lock import RunDirLock
 from hpctrain.rundir import (
     SUMMARY,
     RunDirError,
@@ -54,7 +55,6 @@ from hpctrain.rundir import (
     resolve_run_dir,
     write_json,
 )
-from hpctrain.section import to_dict
 from hpctrain.tasks import Classification, Task, data_targets, resolve_task, training_loss
 from hpctrain.tasks.inputs import build_task_model
 from hpctrain.telemetry import heartbeat

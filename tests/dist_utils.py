@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hpctrain.env import ClusterEnv, init_distributed, teardown
+from hpctrain.core.env import ClusterEnv, init_distributed, teardown
 
 
 def free_port() -> int:

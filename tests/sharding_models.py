@@ -151,8 +151,8 @@ def train_toy(env, overrides: dict, steps: int = 10, layers: int = 4, lr: float 
 
     import torch.distributed as dist
 
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel import mesh_for, strategy_for
-    from hpctrain.parallel.config import ParallelConfig
     from hpctrain.parallel.footprint import state_bytes
 
     cfg = ParallelConfig(**overrides)
@@ -195,8 +195,8 @@ def train_pp(env, overrides: dict, steps: int = 10, grad_accum: int = 1, layers:
     losses, and this rank's step-0 gradients (whole) under their one-process names."""
     import torch.distributed as dist
 
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel import build_pipeline_step, mesh_for
-    from hpctrain.parallel.config import ParallelConfig
     from hpctrain.parallel.pipeline import local_stage_ids, split_blocks
 
     cfg = ParallelConfig(**overrides)
@@ -270,8 +270,8 @@ def scaler_step(env, inf_on_rank: int | None) -> dict:
     set, that rank's gradient shard holds an inf: every rank must skip the step and halve the scale."""
     from torch.distributed.tensor import DTensor
 
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel import build_parallel
-    from hpctrain.parallel.config import ParallelConfig
     from hpctrain.parallel.fsdp import sharded_grad_scaler
 
     model = build_parallel(toy_gpt, env, ParallelConfig(strategy="fsdp"), device=torch.device("cpu"), seed=0)
@@ -293,8 +293,8 @@ def scaler_step(env, inf_on_rank: int | None) -> dict:
 
 def compiled_grads(env, overrides: dict) -> dict[str, torch.Tensor]:
     """Step-0 gradients of the toy GPT built with ``compile=True`` (per block, after checkpointing)."""
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel import build_parallel
-    from hpctrain.parallel.config import ParallelConfig
 
     model = build_parallel(toy_gpt, env, ParallelConfig(**overrides), device=torch.device("cpu"), seed=0, compile=True)
     inputs, targets = token_batches(1, GLOBAL_BATCH)[0]

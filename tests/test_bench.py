@@ -41,7 +41,7 @@ from hpctrain.bench.runner import RunStats, Steps, launch, steady
 from hpctrain.bench.scaling import max_procs, plan, table_rows
 from hpctrain.bench.strategies import cases, refusal, world
 from hpctrain.cli import main
-from hpctrain.errors import RunError
+from hpctrain.core.errors import RunError
 from hpctrain.launch.doctor import cpus
 
 pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)

@@ -25,7 +25,7 @@ from hpctrain.bench import mfu
 from hpctrain.bench.mfu_data import TokenWindows, WindowSpec
 from hpctrain.cli import main
 from hpctrain.config import ConfigError, load_config
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.models.llama import Llama, LlamaShape
 from hpctrain.precision import Precision, fp8_eligible
 from tests import test_bench

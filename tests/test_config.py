@@ -95,7 +95,7 @@ def test_text_fields_keep_override_text_verbatim(tmp_path):
 def test_sections_are_frozen_and_keyword_only():
     import dataclasses
 
-    from hpctrain.data.config import DataConfig
+    from hpctrain.config.data import DataConfig
 
     cfg = load_config(None, ["data.batch_size=8"])
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -178,7 +178,7 @@ def test_an_import_path_is_found_in_the_current_directory(tmp_path: Path, monkey
     would find it (the console script does not put the current directory on sys.path)."""
     import sys
 
-    from hpctrain.section import load_import_path
+    from hpctrain.core.section import load_import_path
 
     (tmp_path / "hpctrain_test_here_mod.py").write_text("def make():\n    return 42\n")
     monkeypatch.chdir(tmp_path)

@@ -7,8 +7,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hpctrain import env as env_module
-from hpctrain.env import ClusterEnv, EnvError, detect, expand_nodelist, init_distributed, port_from_job_id, teardown
+from hpctrain.core import env as env_module
+from hpctrain.core.env import (
+    ClusterEnv,
+    EnvError,
+    detect,
+    expand_nodelist,
+    init_distributed,
+    port_from_job_id,
+    teardown,
+)
 from tests.dist_utils import free_port
 
 
@@ -92,7 +100,7 @@ def test_slurm_rank_outside_world():
 
 
 def test_nccl_needs_one_gpu_per_local_rank() -> None:
-    from hpctrain.env import check_gpus_per_node
+    from hpctrain.core.env import check_gpus_per_node
 
     check_gpus_per_node(2, 2, "nccl")
     check_gpus_per_node(4, 1, "gloo")  # gloo may share a GPU
@@ -160,7 +168,7 @@ def test_a_group_on_several_hosts_without_ranks_per_host_says_what_to_set(runnin
 
 def test_detect_imports_no_torch():
     """Every command calls detect(): a login node's `hpctrain slurm` must not pay for torch."""
-    code = "import sys; from hpctrain.env import detect; detect(); assert 'torch' not in sys.modules"
+    code = "import sys; from hpctrain.core.env import detect; detect(); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -70,7 +70,7 @@ def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
 
 
 def _named_module(node: ast.AST) -> str | None:
-    """A string naming an hpctrain module (``"hpctrain.env"``, ``"hpctrain.bench.cli:add_parser"``):
+    """A string naming an hpctrain module (``"hpctrain.core.env"``, ``"hpctrain.bench.cli:add_parser"``):
     a lazy export, a command table entry, a ``-m`` target; each loads that module when used."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         match = re.fullmatch(r"(hpctrain(?:\.\w+)+)(?::\w+)?", node.value)
@@ -167,8 +167,8 @@ def _describe(graph: Graph, component: list[str]) -> str:
 def test_the_graph_sees_what_python_sees() -> None:
     graph = import_graph()
     assert "hpctrain.launch.slurm" in graph["hpctrain.launch.cli"]  # in a function: `from hpctrain.launch import slurm`
-    assert "hpctrain.errors" in graph["hpctrain.section"]
-    assert "hpctrain.env" in graph["hpctrain"]  # a lazy export
+    assert "hpctrain.core.errors" in graph["hpctrain.core.section"]
+    assert "hpctrain.core.env" in graph["hpctrain"]  # a lazy export
     assert "hpctrain.estimate.cli" in graph["hpctrain.cli"]  # the command table
     # `from hpctrain.checkpoint import layout` is the submodule, not the package's __init__,
     # so a package exporting from its submodules is no cycle by itself
@@ -271,7 +271,7 @@ def test_importtime_chain_names_who_pulled_a_module_in() -> None:
         "import time:        10 |         10 |       torch._C",
         "import time:        20 |         30 |     torch",
         "import time:         5 |         35 |   hpctrain.optim",
-        "import time:         1 |          1 |   hpctrain.section",
+        "import time:         1 |          1 |   hpctrain.core.section",
         "import time:         2 |         38 | hpctrain.config",
     ])
     assert chain_to(importtime_tree(stderr), "torch") == ["hpctrain.config", "hpctrain.optim", "torch"]
@@ -305,7 +305,7 @@ def test_the_package_exports_what_type_checkers_see() -> None:
 
 def test_subpackages_stay_attributes_of_a_bare_import() -> None:
     """``import hpctrain`` used to load (and so bind) most subpackages; they still resolve."""
-    code = "import hpctrain; hpctrain.env.detect(); hpctrain.estimate.hardware.lookup('h100')"
+    code = "import hpctrain; hpctrain.core.env.detect(); hpctrain.estimate.hardware.lookup('h100')"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

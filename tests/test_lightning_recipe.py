@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.core.errors import EXIT_PREEMPTED
 from hpctrain.launch.rank import slurm_view
 from tests.dist_utils import finish_launch, launch_env
 from tests.launch.test_signal_exit import wait_for

@@ -21,7 +21,7 @@ from torch import nn
 
 from hpctrain.cli import main
 from hpctrain.config import ConfigError, load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.optim import build_optimizer, build_scheduler
 from hpctrain.parallel import unwrap
 from hpctrain.rundir import params_sha256

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from hpctrain.cli import main as cli_main
-from hpctrain.run_lock import LOCK_NAME, RunDirLock
+from hpctrain.core.run_lock import LOCK_NAME, RunDirLock
 from tests.dist_utils import ROOT, launch_env
 
 BASE = ["train", "model.name=tests.ckpt_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=64",
         "data.batch_size=16", "data.max_val_samples=16", "train.epochs=1", "train.progress=false",
         "checkpoint.every_seconds=None", "train.threads=1", "resume=auto"]
-HOLD = ("import sys, time; from pathlib import Path; from hpctrain.run_lock import RunDirLock; "
+HOLD = ("import sys, time; from pathlib import Path; from hpctrain.core.run_lock import RunDirLock; "
         "RunDirLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(120)")
 
 

@@ -146,7 +146,7 @@ def test_the_parts_alone() -> None:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     import hpctrain
-    from hpctrain.errors import UserError
+    from hpctrain.core.errors import UserError
 
     data = TensorDataset(torch.arange(10.0).view(10, 1), torch.zeros(10, dtype=torch.long))
     slices = [list(hpctrain.EvalSampler(data, num_replicas=4, rank=r)) for r in range(4)]

@@ -17,9 +17,9 @@ import torch
 from torch.utils.data import Dataset
 
 from hpctrain.cli import main
+from hpctrain.config.data import DataConfig
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data import build_data
-from hpctrain.data.config import DataConfig
-from hpctrain.env import ClusterEnv
 from hpctrain.telemetry.loggers import log_handler
 from tests.dist_utils import ROOT, run_ranks
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hpctrain.cli import main
-from hpctrain.errors import user_code_error
+from hpctrain.core.errors import user_code_error
 from tests.dist_utils import ROOT
 
 MOD = "tests.test_user_forward_errors"

@@ -26,8 +26,8 @@ from hpctrain.checkpoint.checksum import DEFAULT
 from hpctrain.checkpoint.state import REPLICATED_TENSORS, RNG, snapshot
 from hpctrain.checkpoint.writer import CheckpointWriter
 from hpctrain.config import load_config, to_dict
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data import TrainLoader
-from hpctrain.env import ClusterEnv
 from hpctrain.parallel.state import WholeState
 from hpctrain.precision import Precision
 from hpctrain.train import Counters

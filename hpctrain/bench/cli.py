@@ -13,7 +13,7 @@ from typing import Any
 from hpctrain.bench.context import Context
 from hpctrain.bench.hardware import describe, one_line
 from hpctrain.bench.output import check_matplotlib, fmt, table, write_json, write_png
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 # name -> what it measures; each name is a module of this package with run(Context) -> BenchResult
 CASES = {

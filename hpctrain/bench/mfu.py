@@ -47,7 +47,7 @@ from hpctrain.bench.context import Context
 from hpctrain.bench.mfu_data import WindowSpec, write_spec
 from hpctrain.bench.output import BenchResult, fmt, progress
 from hpctrain.bench.runner import Steps, command, hpctrain_run, launch, rank_reports
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.estimate.flops import model_flops
 from hpctrain.models.llama import LlamaShape
 from hpctrain.precision import check_fp8

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from hpctrain.bench.hardware import one_line
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 T = TypeVar("T")
 

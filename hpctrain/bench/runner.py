@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.errors import RunError
+from hpctrain.core.errors import RunError
 from hpctrain.telemetry.runs import load_run
 
 # The same optimizer and no schedule for every run, so that a case compares only what it varies;

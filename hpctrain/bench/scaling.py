@@ -23,7 +23,7 @@ import torch
 from hpctrain.bench.context import Context
 from hpctrain.bench.output import BenchResult, progress
 from hpctrain.bench.runner import RunStats, Steps, hpctrain_run, plain_run
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.launch.doctor import cpus
 
 LOOPS = ("plain", "hpctrain")

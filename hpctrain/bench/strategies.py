@@ -32,7 +32,7 @@ import torch
 from hpctrain.bench.context import Context
 from hpctrain.bench.output import BenchResult, fmt, progress
 from hpctrain.bench.runner import BASE_OVERRIDES, Steps, hpctrain_run, rank_reports
-from hpctrain.errors import RunError, UserError
+from hpctrain.core.errors import RunError, UserError
 from hpctrain.launch.doctor import cpus
 
 PARTS = ("params", "grads", "optimizer", "activations")  # memory_breakdown's parts, in the table's order
@@ -75,7 +75,7 @@ def refusal(overrides: list[str], ranks: int) -> str | None:
     own checks, in the order it runs them before starting), or None: ``refused: ...`` or
     ``skipped: ...`` (DeepSpeed not installed)."""
     from hpctrain.config import load_config
-    from hpctrain.env import ClusterEnv
+    from hpctrain.core.env import ClusterEnv
     from hpctrain.parallel.deepspeed import DeepSpeedMissing
     from hpctrain.parallel.plan import make_plan
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.checkpoint.layout import CheckpointError
-from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.core.errors import EXIT_PREEMPTED
 
 if TYPE_CHECKING:
     from hpctrain.checkpoint.checkpointer import Checkpointer

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from hpctrain import safe_pickle
 from hpctrain.checkpoint import checksum, confine, layout, tensorfile
 from hpctrain.checkpoint.policy import Schedule
 from hpctrain.checkpoint.preempt import EXIT_PREEMPTED, Agreement, Preempted, SignalFlag, record_preempted
@@ -45,13 +44,14 @@ from hpctrain.checkpoint.state import (
     snapshot,
 )
 from hpctrain.checkpoint.writer import CheckpointWriter, default_group
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError, agree
+from hpctrain.core import safe_pickle
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import UserError, agree
 from hpctrain.launch.program import program_signals
 from hpctrain.telemetry import heartbeat
 
 if TYPE_CHECKING:
-    from hpctrain.checkpoint.config import CheckpointConfig
+    from hpctrain.config.checkpoint import CheckpointConfig
 
 log = logging.getLogger("hpctrain")
 T = TypeVar("T")
@@ -563,7 +563,7 @@ def check_dcp_metadata(path: Path, items: set[str] | None = None) -> None:
     files named in ``items`` (None: all) against safe_pickle's limits; a refusal makes the
     checkpoint corrupt (skipped by ``resume=auto``), never code that runs."""
     from hpctrain.checkpoint import dcp_read
-    from hpctrain.safe_pickle import UnsafePickleError
+    from hpctrain.core.safe_pickle import UnsafePickleError
 
     try:
         dcp_read.check_items(path, dcp_read.read_metadata(path), items)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hpctrain.checkpoint import confine
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 log = logging.getLogger("hpctrain")
 

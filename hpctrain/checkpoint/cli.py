@@ -109,7 +109,7 @@ def _unsafe_contents(path: Path) -> list[str]:
     a DCP checkpoint's metadata with only DCP's classes admitted, and its items."""
     from hpctrain.checkpoint import confine
     from hpctrain.checkpoint.state import SHARDED_DIR
-    from hpctrain.safe_pickle import UnsafePickleError, check_torch_archive
+    from hpctrain.core.safe_pickle import UnsafePickleError, check_torch_archive
 
     manifest = layout.read_manifest(path)
     problems = []
@@ -155,7 +155,7 @@ def _bad_tensor_headers(path: Path, manifest: dict[str, Any]) -> list[str]:
 def cmd_export(args: argparse.Namespace) -> int:
     # Here, not at the top: export needs torch, and list and verify (a login node's) do not.
     from hpctrain.checkpoint.tensorfile import TensorFileError
-    from hpctrain.safe_pickle import UnsafePickleError
+    from hpctrain.core.safe_pickle import UnsafePickleError
     from hpctrain.weights.export import SUFFIXES, ExportError, write_stream
 
     out = Path(args.out)

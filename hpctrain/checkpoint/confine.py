@@ -18,7 +18,7 @@ import os
 import stat
 from pathlib import Path
 
-from hpctrain.errors import RunError
+from hpctrain.core.errors import RunError
 
 # Files read whole into memory (manifest, torch.save skeleton, per-rank state, DCP metadata) are
 # small: a skeleton holds names instead of tensors, a rank file RNG states and a loader position.

@@ -6,11 +6,11 @@ param groups) with ``torch.load(weights_only=False)``: whoever can write a check
 directory (and rewrite its manifest's checksums) could run any command on the next
 ``resume``, ``ckpt export`` or ``eval``. Every DCP read in hpctrain goes through
 :func:`load` and :func:`read_metadata` here instead: the metadata through
-:mod:`hpctrain.safe_pickle` (DCP's own metadata classes, sizes, dtypes, paths: nothing
+:mod:`hpctrain.core.safe_pickle` (DCP's own metadata classes, sizes, dtypes, paths: nothing
 callable), the values through ``weights_only=True``. Both are pickles, so both pass
-:mod:`hpctrain.safe_pickle`'s limits first: the metadata's nesting and size, and each value's
+:mod:`hpctrain.core.safe_pickle`'s limits first: the metadata's nesting and size, and each value's
 (and tensor's) ``torch.save`` zip before ``torch.load`` reads it. A refused file raises
-:class:`~hpctrain.safe_pickle.UnsafePickleError` (exit 2), which a resume treats as a
+:class:`~hpctrain.core.safe_pickle.UnsafePickleError` (exit 2), which a resume treats as a
 corrupt checkpoint (skipped with the reason, or an error when it was named).
 """
 
@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from hpctrain import safe_pickle
 from hpctrain.checkpoint import confine
+from hpctrain.core import safe_pickle
 
 
 class _ConfinedFileSystem(FileSystem):

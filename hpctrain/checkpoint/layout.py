@@ -35,7 +35,7 @@ from hpctrain._version import __version__
 from hpctrain.checkpoint import checksum, confine
 from hpctrain.checkpoint.checksum import Algorithm
 from hpctrain.checkpoint.confine import CheckpointError
-from hpctrain.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, UserError
+from hpctrain.core.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, UserError
 from hpctrain.rundir import BEST_FILE, atomic_write_text, replace_durably
 
 log = logging.getLogger("hpctrain")

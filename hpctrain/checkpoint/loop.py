@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from hpctrain.checkpoint.checkpointer import Checkpointer
-from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.state import RNG, Counters
+from hpctrain.config.checkpoint import CheckpointConfig
+from hpctrain.core.env import detect
+from hpctrain.core.errors import EXIT_PREEMPTED, UserError
 from hpctrain.data.sampler import ResumableSampler
-from hpctrain.env import detect
-from hpctrain.errors import EXIT_PREEMPTED, UserError
 from hpctrain.parallel.state import WholeState
 
 

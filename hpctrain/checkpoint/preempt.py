@@ -35,8 +35,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import EXIT_PREEMPTED
 from hpctrain.launch.rank import OUTCOME_ENV, named_peer_failure
 
 STATUS = "status.json"
@@ -307,7 +307,7 @@ class Preemption:
 
     def __init__(self, signals: Iterable[str] | None = None, every: int = 1) -> None:
         if signals is None:  # hpctrain slurm --signal's choice, else checkpoint.signals' default
-            from hpctrain.checkpoint.config import CheckpointConfig
+            from hpctrain.config.checkpoint import CheckpointConfig
             from hpctrain.launch.program import program_signals
 
             signals = program_signals(CheckpointConfig().signals)
@@ -319,7 +319,7 @@ class Preemption:
     def agreed(self, step: int) -> bool:
         """True on every rank at the same step once any rank got a preemption signal."""
         if self._agreement is None:
-            from hpctrain.env import detect
+            from hpctrain.core.env import detect
 
             self._agreement = Agreement(detect(), None, self._every)
         seen, _ = self._agreement(step, self.flag.requested, False)

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import UserError
 
 log = logging.getLogger("hpctrain")
 

@@ -28,7 +28,7 @@ import torch
 
 from hpctrain.checkpoint import checksum, confine
 from hpctrain.checkpoint.checksum import Algorithm, TreeHash
-from hpctrain.errors import RunError
+from hpctrain.core.errors import RunError
 
 ALIGN = 4096
 CHUNK = 16 << 20

@@ -44,7 +44,7 @@ from hpctrain.checkpoint.state import (
     Snapshot,
     rank_file,
 )
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.parallel.wrappers import is_dtensor, local_part
 
 log = logging.getLogger("hpctrain")

@@ -2,7 +2,7 @@
 
 Where each concern lives:
 
-* :mod:`~hpctrain.data.config`: the ``data`` section and the batch plan (no torch);
+* :mod:`~hpctrain.config.data`: the ``data`` section and the batch plan (no torch);
 * :mod:`~hpctrain.data.build`: :func:`build_data` / :func:`build_val_loader`, the loaders of a
   run from the ``data`` section plus runtime values, and the task the data asks for;
 * :mod:`~hpctrain.data.sources`: every source by name (``data.name``, ``hpctrain data shard``);
@@ -15,7 +15,7 @@ Where each concern lives:
   :mod:`~hpctrain.data.loader` (streaming, resume), :mod:`~hpctrain.data.foreign`
   (``data.path`` indexed on first use), :mod:`~hpctrain.data.stage` (node-local copy).
 
-The names below are exported lazily (PEP 562): importing ``hpctrain.data.config`` (the config
+The names below are exported lazily (PEP 562): importing ``hpctrain.config.data`` (the config
 loader does) imports no torch.
 """
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 ITEM_HINT = "hint: dataset[i] must return (input, target), e.g. (a tensor, an int class), or a dict of them"
 INPUT_KEYS = ("input", "inputs", "input_ids", "x", "image", "img", "pixel_values", "features")  # dict items

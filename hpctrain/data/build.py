@@ -18,8 +18,10 @@ from typing import Any, Protocol
 
 import torch
 
+from hpctrain.config.data import DataConfig
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.section import ConfigError
 from hpctrain.data.batch import ArrayDataset, Batch, BatchedDataset, ItemDataset, main_input
-from hpctrain.data.config import DataConfig
 from hpctrain.data.loader import IndexedBatches, PlanLoader, ShardDataset, ShardedEvalLoader, ShardedLoader
 from hpctrain.data.manifest import manifest_path
 from hpctrain.data.memory import EvalLoader, MemoryLoader
@@ -38,8 +40,6 @@ from hpctrain.data.user import (
     materialize,
     spec_for,
 )
-from hpctrain.env import ClusterEnv
-from hpctrain.section import ConfigError
 
 log = logging.getLogger("hpctrain")
 CLASSIFICATION = "classification"  # hpctrain.tasks names (and CAUSAL_LM)

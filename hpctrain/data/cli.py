@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hpctrain.core.errors import UserError
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.indexing import index_existing
 from hpctrain.data.manifest import summarize
@@ -15,7 +16,6 @@ from hpctrain.data.pack import DEFAULT_SEQ_LEN, VAL_FRACTION, PackOptions
 from hpctrain.data.sources import open_source, pack_choices, pack_source
 from hpctrain.data.verify import Problem, class_mismatches, unlisted_shards, verify
 from hpctrain.data.writer import parse_size, write_shards
-from hpctrain.errors import UserError
 
 
 def cmd_shard(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpctrain.errors import RunError, UserError
+from hpctrain.core.errors import RunError, UserError
 
 
 class DataMissingError(UserError, FileNotFoundError):

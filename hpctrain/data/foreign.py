@@ -31,17 +31,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpctrain.cache import cache_root
+from hpctrain.core.cache import cache_root
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.section import ConfigError
 from hpctrain.data.errors import ShardError
 from hpctrain.data.indexing import index_existing, tar_stats
 from hpctrain.data.manifest import load_manifest, manifest_path, parse_json, read_regular
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.env import ClusterEnv
 from hpctrain.rundir import atomic_write_bytes
-from hpctrain.section import ConfigError
 
 if TYPE_CHECKING:
-    from hpctrain.data.config import DataConfig
+    from hpctrain.config.data import DataConfig
 
 log = logging.getLogger("hpctrain")
 _BRACE = re.compile(r"\{([^{}]*)\}")

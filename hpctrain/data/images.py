@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hpctrain.data.config import DataConfig
+from hpctrain.config.data import DataConfig
 from hpctrain.data.errors import ShardError
 from hpctrain.data.files import Look, _class_names, _target_look
 from hpctrain.data.manifest import IMAGE_EXTS

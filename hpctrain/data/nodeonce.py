@@ -7,7 +7,7 @@ directory (local ranks share it; the work's own directory may be what could not 
 created) and is named by a token every rank of this job knows: a nonce broadcast from
 rank 0 when a process group exists (staging and indexing run after
 ``init_process_group``), otherwise the launcher's job ids from the environment. After the
-local phase all ranks agree (:func:`hpctrain.errors.agree`), so a failure on one node
+local phase all ranks agree (:func:`hpctrain.core.errors.agree`), so a failure on one node
 stops every node.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import EXIT_RUN_FAILED, HpctrainError, PeerError, RunError, agree
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import EXIT_RUN_FAILED, HpctrainError, PeerError, RunError, agree
 
 POLL_S = 0.2
 _JOB_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID",

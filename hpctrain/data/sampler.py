@@ -10,7 +10,7 @@ samples the uninterrupted one would have, in the same order, split by rank the s
 
 Both samplers may be built before the process group (Lightning and many scripts build their
 loaders first): the number of ranks and this rank then come from the launcher's environment
-(torchrun's or Slurm's variables, :func:`hpctrain.env.detect`), as the group will have them.
+(torchrun's or Slurm's variables, :func:`hpctrain.core.env.detect`), as the group will have them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from hpctrain.core.env import detect
 from hpctrain.data.memory import rank_slice_of
-from hpctrain.env import detect
 
 
 def world_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:

@@ -20,10 +20,10 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.data.config import DataConfig
+from hpctrain.config.data import DataConfig
+from hpctrain.core.section import ConfigError
 from hpctrain.data.errors import ShardError
 from hpctrain.data.pack import DEFAULT_PACK, PackOptions, PackSource
-from hpctrain.section import ConfigError
 
 if TYPE_CHECKING:
     from hpctrain.data.batch import ArrayDataset

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import RunError, UserError
 from hpctrain.data.errors import ShardError
 from hpctrain.data.manifest import (
     MAX_JSON_BYTES,
@@ -32,8 +34,6 @@ from hpctrain.data.manifest import (
     read_regular,
 )
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import RunError, UserError
 from hpctrain.rundir import atomic_write_bytes, replace_durably
 
 log = logging.getLogger("hpctrain")

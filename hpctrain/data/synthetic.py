@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hpctrain.config.data import SPLITS, check_split
 from hpctrain.data.batch import ArrayDataset
-from hpctrain.data.config import SPLITS, check_split
 from hpctrain.data.errors import ShardError
 from hpctrain.data.pack import DEFAULT_PACK, PackOptions, PackSource, labelled_samples, npy_bytes
 
 if TYPE_CHECKING:
-    from hpctrain.data.config import DataConfig
+    from hpctrain.config.data import DataConfig
 
 CIFAR_SHAPE = (3, 32, 32)
 TINY_SHAPE = (128,)

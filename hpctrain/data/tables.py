@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpctrain.config.data import DataConfig
 from hpctrain.data.batch import INPUT_KEYS, ArrayDataset, as_model_input, map_inputs
-from hpctrain.data.config import DataConfig
 from hpctrain.data.errors import DataFormatError, MissingPackageError, ShardError
 from hpctrain.data.files import jsonl_source
 from hpctrain.data.pack import DEFAULT_PACK, PackOptions, PackSource, check_labels, labelled_samples, npy_bytes

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hpctrain.cache import cache_root
+from hpctrain.core.cache import cache_root
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.errors import DataFormatError, DataMissingError, ShardError
 from hpctrain.data.manifest import load_manifest, manifest_path
 from hpctrain.data.nodeonce import once_per_node
@@ -57,10 +58,9 @@ from hpctrain.data.pack import (
 )
 from hpctrain.data.user import CAUSAL_LM, UserData
 from hpctrain.data.writer import write_shards
-from hpctrain.env import ClusterEnv
 
 if TYPE_CHECKING:
-    from hpctrain.data.config import DataConfig
+    from hpctrain.config.data import DataConfig
 
 log = logging.getLogger("hpctrain")
 

@@ -28,6 +28,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from hpctrain.config.data import DataConfig
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.section import load_import_path
 from hpctrain.data.batch import (
     COMPANION_KEYS,
     INPUT_KEYS,
@@ -39,12 +42,9 @@ from hpctrain.data.batch import (
     ItemSpec,
     batched,
 )
-from hpctrain.data.config import DataConfig
 from hpctrain.data.errors import DataFormatError
 from hpctrain.data.loader import remaining_batches
 from hpctrain.data.passes import Passes
-from hpctrain.env import ClusterEnv
-from hpctrain.section import load_import_path
 
 log = logging.getLogger("hpctrain")
 CLASSIFICATION, CAUSAL_LM = "classification", "causal_lm"

@@ -21,7 +21,7 @@ layers: L layers' worth, whatever p is. With uneven stages each stage is counted
 
 from __future__ import annotations
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.estimate.model import TransformerShape, stage_layers
 
 RECOMPUTE = ("none", "selective", "full")

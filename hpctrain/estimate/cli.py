@@ -7,7 +7,7 @@ import json
 import re
 from typing import NamedTuple
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.estimate import activations, hfconfig, memory, model, reliability
 from hpctrain.estimate.hardware import ACCELERATORS, PRECISIONS, lookup
 from hpctrain.estimate.plan import Inputs, estimate

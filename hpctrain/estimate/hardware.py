@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 # model_type -> how its architecture differs from GPT-2 (keys the estimator's shape takes)
 _LLAMA = {"mlp": "swiglu", "positions": "rotary", "norm": "rmsnorm", "bias": "none"}

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.models import REGISTRY, build_model
 
 

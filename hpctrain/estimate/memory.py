@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.estimate import activations
 from hpctrain.estimate.model import TransformerShape, count_params
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 if TYPE_CHECKING:
     from torch import nn

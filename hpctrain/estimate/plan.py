@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.estimate import activations, flops, memory, reliability
 from hpctrain.estimate.hardware import PRECISIONS, Accelerator
 from hpctrain.estimate.model import TransformerShape, stage_layers, stage_params

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpctrain.core.env import ClusterEnv, collective_device
 from hpctrain.data import EvalBatches
 from hpctrain.data.batch import Batch, map_inputs
-from hpctrain.env import ClusterEnv, collective_device
 from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.precision import Precision
 from hpctrain.tasks import Classification, Task
@@ -102,8 +102,8 @@ def evaluate_dataset(model: nn.Module, dataset: Any, batch_size: int = 256, *,
     Every rank calls it. The loss is cross-entropy, which on log-probabilities (a final
     ``log_softmax``) equals ``nll_loss``. ``task`` (a name or a Task: ``regression``,
     ``multilabel``, ...) reads the targets and gives the metrics its own way."""
+    from hpctrain.core.env import detect
     from hpctrain.data.memory import EvalLoader
-    from hpctrain.env import detect
     from hpctrain.evaluation.metrics import Accuracy, MeanLoss
     from hpctrain.tasks import build_task
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from hpctrain import env as cluster
 from hpctrain.config import Config
+from hpctrain.core import env as cluster
+from hpctrain.core.errors import HpctrainError, UserError, agree
 from hpctrain.data import build_val_loader
-from hpctrain.errors import HpctrainError, UserError, agree
 from hpctrain.evaluation.evaluate import evaluate, write_predictions
 from hpctrain.evaluation.metrics import user_metrics
 from hpctrain.models.registry import resolve_num_classes

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hpctrain.section import ConfigError, load_import_path
+from hpctrain.core.section import ConfigError, load_import_path
 
 
 @dataclass

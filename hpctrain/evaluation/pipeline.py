@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data import EvalBatches
 from hpctrain.data.batch import Batch, main_input, map_inputs
-from hpctrain.env import ClusterEnv
 from hpctrain.evaluation.evaluate import EvalResult, lockstep
 from hpctrain.evaluation.metrics import Metric
 from hpctrain.parallel.pipeline import PipelineStep

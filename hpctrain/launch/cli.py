@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.launch import DEFAULT_HANG_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S
 from hpctrain.launch.program import program_signals, user_program
 
@@ -76,8 +76,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_program(args: argparse.Namespace, program: list[str]) -> int:
     """A user's script on N ranks: torchrun's environment, every preemption signal forwarded,
     the watchdog when the loop uses the meter, and the script's own exit code (3: requeue)."""
-    from hpctrain.checkpoint.config import CheckpointConfig
     from hpctrain.checkpoint.preempt import keep_signals
+    from hpctrain.config.checkpoint import CheckpointConfig
     from hpctrain.launch.local import launch
 
     signals = program_signals(CheckpointConfig().signals)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 Runtime = Literal["apptainer", "pyxis"]
 RUNTIMES: tuple[Runtime, ...] = ("apptainer", "pyxis")

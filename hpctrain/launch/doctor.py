@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain._version import __version__
-from hpctrain.env import EnvError, detect
+from hpctrain.core.env import EnvError, detect
 
 NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "cephfs", "ceph", "glusterfs", "panfs",
               "fuse.sshfs", "fuse.glusterfs", "wekafs", "9p"}

@@ -32,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from hpctrain.checkpoint.preempt import OUTCOME_ENV, all_preempted, read_status, write_status
-from hpctrain.errors import EXIT_HUNG, EXIT_PREEMPTED
+from hpctrain.core.errors import EXIT_HUNG, EXIT_PREEMPTED
 from hpctrain.launch import DEFAULT_SHUTDOWN_TIMEOUT_S
 from hpctrain.launch.rank import ending, note_ended, note_forwarded
 from hpctrain.launch.watchdog import watching

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 # The preemption signals a user's program handles (hpctrain.checkpoint.preempt.Preemption's
 # default), as hpctrain slurm --signal chose them: "SIGHUP,SIGTERM".

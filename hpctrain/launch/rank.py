@@ -39,7 +39,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from hpctrain.errors import EXIT_PREEMPTED, HpctrainError, RunError, describe
+from hpctrain.core.errors import EXIT_PREEMPTED, HpctrainError, RunError, describe
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def _looks_like_a_lost_peer(err: BaseException) -> bool:
 @contextmanager
 def first_cause(environ: Mapping[str, str] | None = None) -> Iterator[None]:
     """Around a rank's work: an error that followed another rank's death (see :func:`peer_failure`)
-    leaves as a :class:`~hpctrain.errors.RunError` naming that rank; hpctrain's own errors and
+    leaves as a :class:`~hpctrain.core.errors.RunError` naming that rank; hpctrain's own errors and
     everything else go on unchanged."""
     try:
         yield

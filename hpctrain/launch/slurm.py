@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint import layout
-from hpctrain.checkpoint.config import CheckpointConfig
-from hpctrain.errors import UserError
+from hpctrain.config.checkpoint import CheckpointConfig
+from hpctrain.core.errors import UserError
 from hpctrain.launch.container import Container, Runtime, check_mount, unique_paths
 from hpctrain.launch.program import SIGNALS_ENV, user_program
 from hpctrain.rundir import atomic_write_text, check_run_dir, claim_run_dir, resolve_run_dir, write_json

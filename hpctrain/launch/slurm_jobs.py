@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from hpctrain.errors import RunError, UserError
+from hpctrain.core.errors import RunError, UserError
 from hpctrain.launch.slurm import read_jobs, record_job
 
 

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hpctrain.errors import EXIT_HUNG
+from hpctrain.core.errors import EXIT_HUNG
 from hpctrain.telemetry import heartbeat
 from hpctrain.telemetry.heartbeat import STARTING, Beat
 

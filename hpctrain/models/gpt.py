@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.models.config import ModelConfig
+from hpctrain.config.model import ModelConfig
 from hpctrain.models.user import ModelError
 
 INIT_STD = 0.02  # GPT-2's initializer range

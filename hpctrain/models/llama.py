@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.config.model import ModelConfig
 from hpctrain.estimate.model import TransformerShape, llama_ffn
-from hpctrain.models.config import ModelConfig
 from hpctrain.models.gpt import INIT_STD, check_output, token_vocab
 
 ROPE_THETA = 10_000.0  # Llama 2's rotary base

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 IGNORE_INDEX = -100  # the label Hugging Face's (and torch's) cross-entropy skips: padding samples
 _LABELS = "_hpctrain_labels"  # the attribute an input tensor carries its labels in

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hpctrain.models.config import ModelConfig
+from hpctrain.config.model import ModelConfig
 from hpctrain.models.gpt import GPT, build_gpt
 from hpctrain.models.llama import build_llama
 from hpctrain.models.mnist_net import MnistCNN
@@ -98,7 +98,7 @@ def resolve_num_classes(config: ModelConfig, data_classes: int, input_shape: tup
     none of them tells."""
     count = config.num_classes or data_classes or infer_num_classes(config.name, input_shape, input_dtype, config)
     if not count:
-        from hpctrain.section import ConfigError
+        from hpctrain.core.section import ConfigError
 
         raise ConfigError(f"data.name={data_name}: the number of classes is unknown; hint: set model.num_classes, "
                           "or give num_classes in the mapping (or a classes list on the dataset), or let the "

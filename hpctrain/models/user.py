@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
+from hpctrain.core.section import load_import_path
 from hpctrain.models.outputs import OutputError, attach_labels, describe, logits_of, loss_of
-from hpctrain.section import load_import_path
 
 log = logging.getLogger("hpctrain")
 # The only arguments hpctrain can give a factory: num_classes (model.num_classes or the data's),

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hpctrain.env import ClusterEnv
+    from hpctrain.config.parallel import ParallelConfig, Topology
+    from hpctrain.core.env import ClusterEnv
     from hpctrain.parallel.base import Strategy
-    from hpctrain.parallel.config import ParallelConfig, Topology
     from hpctrain.parallel.pipeline import PipelineStep
 
 __all__ = ["build_parallel", "build_pipeline_step", "is_sharded", "mesh_for", "parallelize", "strategy_for", "unwrap"]
@@ -43,7 +43,7 @@ def strategy_for(cfg: ParallelConfig, env: ClusterEnv, device: torch.device, *, 
 
 def mesh_for(env: ClusterEnv, cfg: ParallelConfig, device_type: str = "cpu") -> tuple[Topology, DeviceMesh]:
     """The checked topology and its DeviceMesh (``pp``, ``dp`` [or replicate x shard], ``tp``)."""
-    from hpctrain.parallel.config import check_topology
+    from hpctrain.config.parallel import check_topology
     from hpctrain.parallel.mesh import build_mesh
 
     topo = check_topology(cfg, env.world_size, num_nodes=env.num_nodes)
@@ -56,7 +56,7 @@ def parallelize(model: nn.Module, env: ClusterEnv, cfg: ParallelConfig, *, compi
                 precision: str = "fp32", mesh: DeviceMesh | None = None) -> nn.Module:
     """The model ready for training on this rank (moved to its device beforehand, or on meta
     for :func:`build_parallel`). ``mesh``: one from :func:`mesh_for`, else built here."""
-    from hpctrain.errors import UserError
+    from hpctrain.core.errors import UserError
 
     if cfg.pp > 1:
         raise UserError("parallel.pp > 1 runs through a pipeline step function, not a wrapped model; "

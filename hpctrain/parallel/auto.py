@@ -40,15 +40,15 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from hpctrain.config.parallel import AUTO, resolve_param_dtype
+from hpctrain.core.section import ConfigError
 from hpctrain.estimate.activations import layer_bytes
 from hpctrain.estimate.memory import PREFETCHED_LAYERS, StateLayout, compute_bytes, states_per_rank
 from hpctrain.estimate.model import stage_layers
-from hpctrain.parallel.config import AUTO, resolve_param_dtype
-from hpctrain.section import ConfigError
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
-    from hpctrain.env import ClusterEnv
+    from hpctrain.core.env import ClusterEnv
     from hpctrain.parallel.autosize import Profile
 
 log = logging.getLogger("hpctrain")
@@ -451,7 +451,7 @@ def overrides(c: Candidate, cfg: Config) -> list[str]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hpctrain.config import config_from_args
-    from hpctrain.env import ClusterEnv
+    from hpctrain.core.env import ClusterEnv
 
     if args.nproc < 1 or args.nodes < 1:
         raise ConfigError(f"hpctrain plan: -n {args.nproc} and --nodes {args.nodes} must be positive")

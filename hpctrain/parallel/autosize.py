@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from hpctrain.core.section import ConfigError
 from hpctrain.estimate.memory import compute_bytes
 from hpctrain.estimate.model import TransformerShape
-from hpctrain.section import ConfigError
 
 if TYPE_CHECKING:
     from hpctrain.config import Config

@@ -23,12 +23,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpctrain.env import ClusterEnv
+from hpctrain.config.parallel import ParallelConfig
+from hpctrain.core.env import ClusterEnv
 from hpctrain.evaluation.evaluate import EvalResult, evaluate
 from hpctrain.evaluation.metrics import Metric
 from hpctrain.parallel.buffers import check_sync_batchnorm, convert_sync_batchnorm, real_samples, sync_buffers
 from hpctrain.parallel.checkpointing import apply_activation_checkpointing
-from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.meta import on_meta
 from hpctrain.parallel.state import ModelState, ShardedState, WholeState
 from hpctrain.precision import Precision

@@ -41,7 +41,7 @@ def sync_buffers(module: nn.Module, groups: Groups = (None,)) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     buffers = [b for b in module.buffers() if not is_dtensor(b) and b.device.type != "meta"]
-    from hpctrain.env import collective_device
+    from hpctrain.core.env import collective_device
 
     device = collective_device()
     for group in groups:
@@ -111,7 +111,7 @@ def _slice_tensor(inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 def check_sync_batchnorm(cfg: Config) -> None:
     """``parallel.sync_batchnorm=true`` needs CUDA and NCCL (torch's SyncBatchNorm runs on
     accelerators only): a ConfigError (exit 2) before the process group otherwise."""
-    from hpctrain.section import ConfigError
+    from hpctrain.core.section import ConfigError
 
     p = cfg.parallel
     if not p.sync_batchnorm:

@@ -10,8 +10,8 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpctrain.config.parallel import ParallelConfig
 from hpctrain.parallel.base import Strategy
-from hpctrain.parallel.config import ParallelConfig
 
 
 def wrap_ddp(model: nn.Module, cfg: ParallelConfig) -> DistributedDataParallel:

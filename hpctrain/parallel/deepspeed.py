@@ -14,7 +14,7 @@ checkpoint directory; :func:`consolidated_state` turns them into one state dict.
 
 On a machine without CUDA it runs on CPU with gloo (``DS_ACCELERATOR=cpu``). Its first use
 JIT-builds C++ ops with ninja; ``TORCH_EXTENSIONS_DIR`` (default: ``torch_extensions`` in
-hpctrain's cache, :func:`hpctrain.cache.cache_root`) keeps them for the next run.
+hpctrain's cache, :func:`hpctrain.core.cache.cache_root`) keeps them for the next run.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hpctrain.cache import cache_root
 from hpctrain.checkpoint.preempt import children_shielded
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import RunError, UserError
+from hpctrain.config.parallel import ParallelConfig
+from hpctrain.core.cache import cache_root
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import RunError, UserError
 from hpctrain.parallel.base import Factory, LossFn, Strategy, _nothing
 from hpctrain.parallel.buffers import real_samples
-from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.state import ModelState
 from hpctrain.precision import Precision
 from hpctrain.weights.export import Source, dict_source

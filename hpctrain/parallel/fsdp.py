@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from hpctrain.config.parallel import ParallelConfig
 from hpctrain.parallel.base import Factory, Strategy
-from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.units import shard_units
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -123,7 +123,7 @@ class FSDP(Strategy):
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         if self.plan.dp == 1:
             return model
-        from hpctrain.parallel.config import resolve_param_dtype
+        from hpctrain.config.parallel import resolve_param_dtype
         from hpctrain.parallel.mesh import dp_mesh
 
         assert self.mesh is not None

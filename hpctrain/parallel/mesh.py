@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpctrain.section import ConfigError
+from hpctrain.core.section import ConfigError
 
 
 def build_mesh(*, world: int, dp: int, tp: int = 1, pp: int = 1, device_type: str = "cpu",

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpctrain.errors import HpctrainError
+from hpctrain.core.errors import HpctrainError
 from hpctrain.models.user import ModelError
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")

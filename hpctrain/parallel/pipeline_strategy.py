@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hpctrain.env import collective_device
+from hpctrain.config.parallel import ParallelConfig
+from hpctrain.core.env import collective_device
+from hpctrain.core.section import ConfigError
 from hpctrain.evaluation.evaluate import EvalResult
 from hpctrain.evaluation.metrics import Metric
 from hpctrain.evaluation.pipeline import evaluate_pipeline
 from hpctrain.parallel.base import Factory, Strategy, _nothing
 from hpctrain.parallel.clip import clip_grad_norm_
-from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.pipeline import PipelineStep, build_pipeline
 from hpctrain.parallel.pipeline_state import PipelineState
 from hpctrain.parallel.state import ModelState
-from hpctrain.section import ConfigError
 from hpctrain.weights.export import Source, pipeline_source
 
 if TYPE_CHECKING:

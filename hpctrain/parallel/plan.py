@@ -12,14 +12,14 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from hpctrain.parallel.config import AUTO, check_topology
+from hpctrain.config.parallel import AUTO, check_topology
+from hpctrain.core.section import ConfigError
 from hpctrain.parallel.registry import strategy_class
-from hpctrain.section import ConfigError
 
-if TYPE_CHECKING:  # the composed config imports hpctrain.parallel.config only
+if TYPE_CHECKING:  # the composed config imports hpctrain.config.parallel only
     from hpctrain.config import Config
-    from hpctrain.env import ClusterEnv
-    from hpctrain.parallel.config import ParallelConfig
+    from hpctrain.config.parallel import ParallelConfig
+    from hpctrain.core.env import ClusterEnv
 
 log = logging.getLogger("hpctrain")
 

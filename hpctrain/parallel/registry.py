@@ -9,15 +9,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.parallel.config import STRATEGY_NAMES
-from hpctrain.section import ConfigError
+from hpctrain.config.parallel import STRATEGY_NAMES
+from hpctrain.core.section import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-    from hpctrain.env import ClusterEnv
+    from hpctrain.config.parallel import ParallelConfig
+    from hpctrain.core.env import ClusterEnv
     from hpctrain.parallel.base import Strategy
-    from hpctrain.parallel.config import ParallelConfig
     from hpctrain.parallel.plan import Plan
 
 # parallel.strategy values a user writes

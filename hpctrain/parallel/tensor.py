@@ -153,10 +153,10 @@ def check_tensor_parallel(cfg: Config, plan: Plan) -> None:
     """parallel.tp > 1 splits the q/k/v/gate/o/up/down Linears of the model's ``blocks`` (gpt, llama):
     any other model, or widths tp does not divide, fails here, before the process group. The
     model is built on meta (no memory)."""
+    from hpctrain.config.parallel import SHARDED
+    from hpctrain.core.section import ConfigError
     from hpctrain.models import build_model
-    from hpctrain.parallel.config import SHARDED
     from hpctrain.parallel.meta import on_meta
-    from hpctrain.section import ConfigError
 
     p, name = cfg.parallel, cfg.model.name
     if cfg.precision == "fp16" and (plan.dp == 1 or p.strategy not in SHARDED):

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from hpctrain.core.section import ConfigError
 from hpctrain.parallel.ddp import DDP
 from hpctrain.parallel.state import ModelState, Zero1State
-from hpctrain.section import ConfigError
 
 if TYPE_CHECKING:
     from hpctrain.config import Config

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.tasks.registry import LABELLED, task_class
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ class Custom(CrossEntropyTask):
 
     def _loss(self) -> Loss:
         if self.user_loss is None:
-            from hpctrain.section import ConfigError
+            from hpctrain.core.section import ConfigError
 
             raise ConfigError("train.task=custom needs train.loss=package.module:NAME (the loss of your targets)")
         return self.user_loss

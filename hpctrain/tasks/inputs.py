@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 IGNORE_INDEX = -100  # a target position that counts nowhere (padding tokens), as torch's cross-entropy
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hpctrain.section import ConfigError, load_import_path
+from hpctrain.core.section import ConfigError, load_import_path
 from hpctrain.tasks.base import Task
 
 Loss = Callable[[Any, torch.Tensor, "torch.Tensor | None"], torch.Tensor]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 if TYPE_CHECKING:
     from hpctrain.tasks.base import Task

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from hpctrain.core.errors import UserError
 from hpctrain.data.batch import Batch
-from hpctrain.errors import UserError
 from hpctrain.evaluation.metrics import Metric, RegressionMetrics
 from hpctrain.tasks.base import CrossEntropyTask
 

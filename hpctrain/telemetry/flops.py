@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from hpctrain.cache import cache_root
+from hpctrain.core.cache import cache_root
 
 log = logging.getLogger("hpctrain")
 

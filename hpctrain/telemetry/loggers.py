@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from hpctrain.errors import UserError, io_error
+from hpctrain.core.errors import UserError, io_error
 
 log = logging.getLogger("hpctrain")
 
@@ -174,7 +174,7 @@ def _check_installed(name: str, options: LoggerOptions) -> None:
 class JsonlLogger:
     """Append-only, one flushed line per row, so a crash keeps every row written so far. A row
     that cannot be written (disk full, quota) ends the run with an error naming the file
-    (:func:`hpctrain.errors.io_error`): this is the run's record, never silently incomplete."""
+    (:func:`hpctrain.core.errors.io_error`): this is the run's record, never silently incomplete."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
-from hpctrain.env import ClusterEnv
-from hpctrain.telemetry.config import TelemetryConfig
+from hpctrain.config.telemetry import TelemetryConfig
+from hpctrain.core.env import ClusterEnv
 from hpctrain.telemetry.flops import peak_flops
 from hpctrain.telemetry.loggers import LoggerOptions, Loggers, build_loggers
 from hpctrain.telemetry.memory import MemoryProbe

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 TOP_OPS = 10
 

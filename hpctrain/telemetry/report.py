@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.telemetry.runs import Run, load_run, unique_names
 
 Table = tuple[list[str], list[list[str]]]

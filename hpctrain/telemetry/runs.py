@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 log = logging.getLogger("hpctrain")
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hpctrain.checkpoint import layout, tensorfile
-from hpctrain.errors import RunError, UserError
+from hpctrain.core.errors import RunError, UserError
 from hpctrain.parallel.wrappers import is_dtensor
 from hpctrain.rundir import ParamsHash, atomic_open, clean_name
 

@@ -2,8 +2,8 @@
 
 ``torch.load(weights_only=True)`` runs no code, but it allocates whatever a zip member declares
 (a 1 MB file can declare gigabytes) and builds whatever the pickle nests. The file is checked
-against :mod:`hpctrain.safe_pickle`'s limits first, so a crafted one ends in a clear error
-(:class:`~hpctrain.safe_pickle.UnsafePickleError`, exit 2) before anything is read into memory.
+against :mod:`hpctrain.core.safe_pickle`'s limits first, so a crafted one ends in a clear error
+(:class:`~hpctrain.core.safe_pickle.UnsafePickleError`, exit 2) before anything is read into memory.
 A FIFO, a device or a directory given as the file is refused without blocking.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from hpctrain import safe_pickle
 from hpctrain.checkpoint import confine
-from hpctrain.errors import UserError
+from hpctrain.core import safe_pickle
+from hpctrain.core.errors import UserError
 
 
 class UnreadableWeightsError(UserError):

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import agree
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import agree
 from hpctrain.rundir import ParamsHash
 from hpctrain.weights.export import Source, write_stream
 

@@ -40,7 +40,7 @@ BASE = ["model.name=tests.ckpt_models:tiny_mlp", "data.name=synthetic_tiny", "da
 # raises a RunError on one rank and calls the original on the others.
 INJECT = """
 import importlib, os, sys
-from hpctrain.errors import RunError
+from hpctrain.core.errors import RunError
 target, bad_rank = sys.argv[1], int(sys.argv[2])
 module, _, attr = target.partition(":")
 owner = importlib.import_module(module)

@@ -18,7 +18,7 @@ from hpctrain.checkpoint.state import REPLICATED, REPLICATED_TENSORS, rank_file,
 from hpctrain.checkpoint.writer import CheckpointWriter
 from hpctrain.cli import main as cli_main
 from hpctrain.config import ConfigError, load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.rundir import RunDirError
 from hpctrain.train import train
 from tests.ckpt_models import Parts, make_parts

@@ -18,7 +18,7 @@ from hpctrain.checkpoint.checkpointer import Checkpointer
 from hpctrain.checkpoint.state import REPLICATED, REPLICATED_TENSORS, rank_file
 from hpctrain.cli import main as cli_main
 from hpctrain.config import ConfigError, load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from tests.ckpt_models import make_parts
 
 CPU = torch.device("cpu")

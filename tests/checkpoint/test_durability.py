@@ -16,7 +16,7 @@ from hpctrain.checkpoint import checksum, layout, tensorfile
 from hpctrain.checkpoint.checkpointer import Checkpointer
 from hpctrain.checkpoint.state import REPLICATED_TENSORS
 from hpctrain.config import load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.evaluation.evaluate import write_predictions
 from tests.ckpt_models import make_parts
 

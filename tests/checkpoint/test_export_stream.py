@@ -21,9 +21,9 @@ from torch import nn
 
 from hpctrain.checkpoint import tensorfile
 from hpctrain.cli import main as cli_main
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import PeerError, RunError, agree
 from hpctrain.data.text import write_text_shards
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import PeerError, RunError, agree
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.rundir import ParamsHash, param_names, params_sha256
 from hpctrain.weights.export import (
@@ -118,8 +118,8 @@ def test_live_bytes_counts_tensors_a_consumer_keeps(tmp_path: Path) -> None:
 
 
 def _fsdp_rank(env: ClusterEnv, out: str, mode: str) -> dict[str, Any]:
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel import parallelize
-    from hpctrain.parallel.config import ParallelConfig
 
     model = parallelize(_gpt(), env, ParallelConfig(strategy="fsdp", activation_checkpointing=mode))
     names = param_names(model)
@@ -161,8 +161,8 @@ def test_pipeline_stages_send_one_tensor_at_a_time(tmp_path: Path) -> None:
 
 
 def _failing_rank(env: ClusterEnv, out: str) -> str:
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel import parallelize
-    from hpctrain.parallel.config import ParallelConfig
 
     model = parallelize(_gpt(), env, ParallelConfig(strategy="fsdp"))
     try:

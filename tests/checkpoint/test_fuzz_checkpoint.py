@@ -29,7 +29,7 @@ import torch
 from hpctrain.checkpoint import layout, tensorfile
 from hpctrain.checkpoint.cli import _verify_one
 from hpctrain.checkpoint.state import REPLICATED_TENSORS, SHARDED_DIR
-from hpctrain.errors import HpctrainError
+from hpctrain.core.errors import HpctrainError
 from tests.checkpoint.test_crafted_reads import _train, deadline
 
 CASES = int(os.environ.get("HPCTRAIN_FUZZ_CASES", "300"))  # benchmarks/faults.py runs more

@@ -23,7 +23,7 @@ from hpctrain.checkpoint.state import REPLICATED_TENSORS, snapshot
 from hpctrain.checkpoint.writer import CheckpointWriter, _local_root, default_group
 from hpctrain.cli import main as cli_main
 from hpctrain.config import load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.train import train
 from tests.ckpt_models import make_parts
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpctrain import safe_pickle
 from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.state import SHARDED_DIR
 from hpctrain.cli import main as cli_main
 from hpctrain.config import load_config
+from hpctrain.core import safe_pickle
 from hpctrain.train import train
 
 BASE = ["model.name=tests.ckpt_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=128",

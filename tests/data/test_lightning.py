@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from hpctrain.config.data import DataConfig
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data import build_data
-from hpctrain.data.config import DataConfig
-from hpctrain.env import ClusterEnv
 
 pl = pytest.importorskip("lightning.pytorch")
 

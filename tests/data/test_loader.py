@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.loader import (
     PAD,
     ShardedEvalLoader,
@@ -21,7 +22,6 @@ from hpctrain.data.loader import (
     rank_batches,
     remaining_batches,
 )
-from hpctrain.env import ClusterEnv
 from tests.data.test_shards import make_shards
 from tests.dist_utils import run_ranks
 

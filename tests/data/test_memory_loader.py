@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import UserError
 from hpctrain.data.memory import EvalLoader, MemoryLoader
 from hpctrain.data.synthetic import synthetic
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
 from tests.dist_utils import run_ranks
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import hpctrain.data.loader as loader_module
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.batch import PackedBatch
 from hpctrain.data.loader import PAD, ShardDataset, ShardedEvalLoader, ShardedLoader, ShardIndex
-from hpctrain.env import ClusterEnv
 from tests.data.test_shards import flip_byte, make_shards, pixels
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hpctrain.cli import main
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.indexing import index_existing, index_tar
 from hpctrain.data.loader import ShardDataset, ShardedLoader, ShardIndex
@@ -23,7 +24,6 @@ from hpctrain.data.manifest import manifest_path
 from hpctrain.data.pack import cls_bytes, npy_bytes
 from hpctrain.data.verify import verify
 from hpctrain.data.writer import write_shards
-from hpctrain.env import ClusterEnv
 from tests.dist_utils import ROOT
 
 

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hpctrain.core.errors import HpctrainError
 from hpctrain.data.indexing import index_existing, index_tar
 from hpctrain.data.loader import ShardDataset, ShardIndex
 from hpctrain.data.manifest import manifest_path, summarize
 from hpctrain.data.pack import cls_bytes, npy_bytes
 from hpctrain.data.verify import verify
 from hpctrain.data.writer import write_shards
-from hpctrain.errors import HpctrainError
 
 CASES = 250
 TAR_CASES = 150  # each also writes an index and a manifest (fsynced)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hpctrain.cli import main
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.indexing import index_existing
 from hpctrain.data.loader import ShardDataset, ShardedEvalLoader, ShardedLoader, ShardIndex
@@ -19,7 +20,6 @@ from hpctrain.data.manifest import load_index, load_manifest
 from hpctrain.data.pack import npy_bytes
 from hpctrain.data.verify import verify
 from hpctrain.data.writer import ShardWriter, parse_size, write_shards
-from hpctrain.env import ClusterEnv
 
 # ---------------------------------------------------------------- helpers (also used by test_data_loader)
 

@@ -1,5 +1,5 @@
 """One source registry for data.name and `hpctrain data shard`; data built from its own section; a light
-``hpctrain.data.config``."""
+``hpctrain.config.data``."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from hpctrain.config.data import DataConfig
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.section import ConfigError
 from hpctrain.data import sources
 from hpctrain.data.batch import ArrayDataset
 from hpctrain.data.build import build_data, build_val_loader
-from hpctrain.data.config import DataConfig
 from hpctrain.data.errors import DataFormatError, ShardError
 from hpctrain.data.sources import Source, data_source, load_dataset, open_source, register_source
 from hpctrain.data.text import write_text_shards
-from hpctrain.env import ClusterEnv
-from hpctrain.section import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -103,7 +103,7 @@ def _module_level_imports(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("module, heavy", [("hpctrain.data.config", ("torch", "numpy")),
+@pytest.mark.parametrize("module, heavy", [("hpctrain.config.data", ("torch", "numpy")),
                                            ("hpctrain.data.sources", ("torch",))])
 def test_config_and_source_names_import_no_torch(module, heavy):
     """The config loader imports every section's config (``hpctrain config show`` must not pay for torch

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.errors import ShardError
 from hpctrain.data.foreign import _mirror_bytes, plan
 from hpctrain.data.manifest import load_manifest, manifest_path
 from hpctrain.data.stage import is_current, stage_shards, stage_target
 from hpctrain.data.text import text_layout
-from hpctrain.env import ClusterEnv
 from tests.data.test_shard_confine import _edit_manifest as _edit
 from tests.data.test_shard_confine import _outside, _write
 from tests.dist_utils import ROOT

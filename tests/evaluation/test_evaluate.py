@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.memory import EvalLoader, rank_slice_of
 from hpctrain.data.synthetic import synthetic
-from hpctrain.env import ClusterEnv
 from hpctrain.evaluation.evaluate import evaluate
 from hpctrain.evaluation.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric, default_metrics
 from tests.dist_utils import run_ranks

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.checkpoint.preempt import OUTCOME_ENV
-from hpctrain.errors import RunError
+from hpctrain.core.errors import RunError
 from hpctrain.launch import rank as rank_life
 from tests.checkpoint import test_preempt as preempt
 from tests.dist_utils import finish_launch

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.checkpoint import layout
-from hpctrain.errors import EXIT_HUNG
+from hpctrain.core.errors import EXIT_HUNG
 from hpctrain.launch import watchdog
 from hpctrain.telemetry import heartbeat, meter
 from tests.checkpoint import test_preempt as preempt

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.errors import EXIT_HUNG
+from hpctrain.core.errors import EXIT_HUNG
 from hpctrain.launch import watchdog
 from hpctrain.telemetry import heartbeat, meter
 from tests.dist_utils import finish_launch

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.checkpoint.preempt import OUTCOME_ENV, Preemption, all_preempted
-from hpctrain.errors import EXIT_PREEMPTED, UserError
+from hpctrain.core.errors import EXIT_PREEMPTED, UserError
 from hpctrain.launch.program import SIGNALS_ENV, program_signals, user_program
 from hpctrain.launch.slurm import SlurmOptions, plan_job, render
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.core.errors import EXIT_PREEMPTED
 from tests.dist_utils import finish_launch, launch_env
 
 pytestmark = pytest.mark.slow  # launches: scheduled first (tests/conftest.py)
@@ -83,7 +83,7 @@ from pathlib import Path
 import torch
 
 from hpctrain.checkpoint.preempt import SignalFlag
-from hpctrain.env import detect
+from hpctrain.core.env import detect
 from hpctrain.parallel import deepspeed
 
 WORK = Path(sys.argv[1])

@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.config import load_config
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import EXIT_USER_ERROR
+from hpctrain.core.section import ConfigError
 from hpctrain.data.batch import Batch
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import EXIT_USER_ERROR
 from hpctrain.models import ModelError, build_model
 from hpctrain.models.outputs import OutputError, logits_of, loss_of
 from hpctrain.parallel.meta import on_meta
 from hpctrain.parallel.units import transformer_blocks
-from hpctrain.section import ConfigError
 from hpctrain.tasks import CausalLM, Classification
 from hpctrain.train import train
 from tests.data.test_text import needs_sdist

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.config import ConfigError, load_config
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import UserError
 from hpctrain.estimate import flops
 from hpctrain.estimate.model import stage_layers
 from hpctrain.models import build_model, count_parameters

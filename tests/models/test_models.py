@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.config import load_config
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import UserError
 from hpctrain.models import REGISTRY, ModelError, build_model, count_parameters
 from hpctrain.parallel import unwrap
 from hpctrain.train import build_components, fit, load_data, seed_everything

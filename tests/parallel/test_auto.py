@@ -14,7 +14,7 @@ import yaml
 
 from hpctrain.cli import main
 from hpctrain.config import ConfigError, load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.parallel.auto import choose, resolve_auto
 from hpctrain.parallel.plan import make_plan
 from tests.data.test_text import needs_sdist

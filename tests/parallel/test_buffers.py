@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hpctrain.checkpoint import layout
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.rundir import ParamsHash
 from tests.checkpoint import test_preempt as preempt
 from tests.dist_utils import run_ranks
@@ -201,8 +201,8 @@ def test_fsdp_sigkill_then_the_same_command_is_bit_identical(runs: tuple[Path, l
 
 
 def _strategy() -> Any:
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel import strategy_for
-    from hpctrain.parallel.config import ParallelConfig
     from hpctrain.tasks import Classification
 
     strategy = strategy_for(ParallelConfig(), ClusterEnv(), torch.device("cpu"))

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from hpctrain.config import load_config
-from hpctrain.errors import UserError
-from hpctrain.parallel.config import ParallelConfig, check_topology
-from hpctrain.section import ConfigError
+from hpctrain.config.parallel import ParallelConfig, check_topology
+from hpctrain.core.errors import UserError
+from hpctrain.core.section import ConfigError
 
 
 def test_world_must_equal_dp_x_tp_x_pp():
@@ -84,8 +84,8 @@ def test_deepspeed_missing_is_a_user_error_with_the_install_hint(monkeypatch):
 def test_the_config_accepts_exactly_the_registered_strategies() -> None:
     """parallel.strategy is checked against a name list that imports no strategy module; it must
     stay the registry's, also after a registration (a user's own strategy)."""
+    from hpctrain.config.parallel import STRATEGY_NAMES
     from hpctrain.parallel import registry
-    from hpctrain.parallel.config import STRATEGY_NAMES
 
     assert set(STRATEGY_NAMES) == set(registry.strategy_names())
     registry.register_strategy("mine", "hpctrain.parallel.ddp:DDP")

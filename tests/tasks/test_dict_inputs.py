@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from hpctrain.config.data import DataConfig
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.batch import Batch, ItemDataset, ItemSpec
-from hpctrain.data.config import DataConfig
-from hpctrain.env import ClusterEnv
 from hpctrain.tasks import CausalLM, Classification
 from hpctrain.tasks.inputs import call_model
 from hpctrain.telemetry.meter import Meter

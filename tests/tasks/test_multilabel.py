@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import UserError
 from hpctrain.data.memory import EvalLoader
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
 from hpctrain.evaluation.evaluate import evaluate
 from hpctrain.evaluation.metrics import EvalOutput, MultilabelMetrics
 from hpctrain.tasks import Multilabel

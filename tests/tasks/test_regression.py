@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import UserError
 from hpctrain.data.memory import EvalLoader, MemoryLoader
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
 from hpctrain.evaluation.evaluate import evaluate, evaluate_dataset
 from hpctrain.evaluation.metrics import EvalOutput, Metric, user_metrics
 from hpctrain.tasks import Regression

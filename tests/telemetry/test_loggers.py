@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.errors import RunIOError
+from hpctrain.core.errors import RunIOError
 from hpctrain.telemetry.loggers import LoggerError, LoggerOptions, Loggers, build_loggers, scalars
 
 ROWS = [{"step": s, "epoch": 0, "loss": 1.0 / s, "samples_per_s": 100.0 * s} for s in (1, 2, 3)]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hpctrain.config import load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.train import train
 from tests.dist_utils import launch_env, run_ranks
 

@@ -93,7 +93,7 @@ def test_probe_never_armed_reports_nothing_and_runs_no_collective():
 
 
 def _zero1_breakdown(env) -> dict:
-    from hpctrain.parallel.config import ParallelConfig
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel.ddp import wrap_ddp
     from hpctrain.parallel.zero import zero1_from
 

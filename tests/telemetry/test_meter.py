@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpctrain.config import ConfigError, load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.telemetry.flops import Peak
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER, Meter
 from hpctrain.telemetry.runs import BREAKDOWN

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.telemetry.profiler import StepProfiler
 
 

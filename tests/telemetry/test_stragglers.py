@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.telemetry.stragglers import StragglerDetector
 from tests.dist_utils import run_ranks
 

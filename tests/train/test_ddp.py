@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hpctrain.config import load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.parallel import unwrap
 from hpctrain.train import build_components, fit, load_data
 from tests.dist_utils import launch_env, run_ranks
@@ -121,7 +121,7 @@ def test_inner_micro_steps_skip_the_gradient_sync():
     only, and the last one (sync=True) all-reduces as usual."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hpctrain.parallel.config import ParallelConfig
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel.ddp import DDP
     from hpctrain.parallel.plan import plan_for
 

@@ -20,7 +20,7 @@ import torch
 
 from hpctrain.checkpoint import layout
 from hpctrain.config import load_config
-from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.core.errors import EXIT_PREEMPTED
 from hpctrain.train import train
 from tests.checkpoint import test_preempt as preempt
 from tests.data.test_text import needs_sdist

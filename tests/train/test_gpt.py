@@ -15,7 +15,7 @@ import pytest
 
 from hpctrain.cli import main as cli_main
 from hpctrain.config import load_config
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 from hpctrain.train import train
 from tests.data.test_text import needs_sdist
 

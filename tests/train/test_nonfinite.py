@@ -16,7 +16,7 @@ from torch import nn
 
 from hpctrain.checkpoint import layout
 from hpctrain.config import ConfigError, load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.parallel import unwrap
 from hpctrain.precision import NonFiniteError, NumericsWatch
 from hpctrain.train import _improved, build_components, fit, load_data, train

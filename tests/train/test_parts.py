@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hpctrain.config import load_config
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.mnist import FASHION_DIR, load_fashion_mnist, read_idx
 from hpctrain.data.sources import load_dataset
-from hpctrain.env import ClusterEnv
 from hpctrain.launch.local import torchrun_args
 from hpctrain.optim import lr_factor, peak_lr
 from hpctrain.parallel import unwrap

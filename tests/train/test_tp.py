@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hpctrain.config import ConfigError, load_config
+from hpctrain.core.env import ClusterEnv
 from hpctrain.data.memory import EvalLoader
 from hpctrain.data.synthetic import synthetic
-from hpctrain.env import ClusterEnv
 from hpctrain.evaluation.evaluate import evaluate
 from hpctrain.evaluation.metrics import default_metrics
 from hpctrain.parallel import mesh_for

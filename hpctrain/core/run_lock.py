@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.section import ConfigError, at_least, opt, positive
+from hpctrain.core.section import ConfigError, at_least, opt, positive
 
 SPLITS = ("train", "val", "test")  # what a source may be asked for; data.val_split names one of the last two
 

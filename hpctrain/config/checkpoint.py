@@ -6,7 +6,7 @@ import signal
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.section import ConfigError, at_least, opt, positive
+from hpctrain.core.section import ConfigError, at_least, opt, positive
 
 # What checkpoint.signals may name. SIGHUP too: NCCL and other libraries may install their own SIGUSR1
 # handlers (why submitit moved to SIGHUP), and some sites reserve SIGUSR1 (docs/cluster.md).

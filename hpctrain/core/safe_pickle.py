@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Callable
 from typing import IO, Any, Protocol
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 Allowed = Callable[[str, str], bool]
 

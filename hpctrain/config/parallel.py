@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.section import ConfigError, at_least, opt, positive
+from hpctrain.core.section import ConfigError, at_least, opt, positive
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Checkpointing = Literal["none", "block", "selective"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.section import ConfigError, opt, positive
+from hpctrain.core.section import ConfigError, opt, positive
 
 LOGGERS = ("jsonl", "tensorboard", "mlflow", "wandb")
 

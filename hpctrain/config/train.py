@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.optim_config import is_import_path
-from hpctrain.section import ConfigError, opt, positive
+from hpctrain.config.optim import is_import_path
+from hpctrain.core.section import ConfigError, opt, positive
 from hpctrain.tasks.registry import task_names
 
 

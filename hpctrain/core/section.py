@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import field
 from typing import Any, Literal, TypeVar
 
-from hpctrain.errors import UserError
+from hpctrain.core.errors import UserError
 
 T = TypeVar("T")
 

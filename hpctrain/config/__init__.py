@@ -1,7 +1,7 @@
 """The whole configuration: the sections composed, read from YAML + ``key=value`` overrides.
 
 Each section is a frozen keyword-only dataclass next to its component, with its own checks
-(``data/config.py``, ``checkpoint/config.py``, ...; see :mod:`hpctrain.section`). This
+(``data/config.py``, ``checkpoint/config.py``, ...; see :mod:`hpctrain.core.section`). This
 module only composes them, reads YAML and overrides into them (unknown keys and wrong
 types are errors naming the key), checks what spans sections, and generates the reference
 (``hpctrain config doc`` > docs/config.md). A new section is one dataclass in its
@@ -20,14 +20,14 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from hpctrain.checkpoint.config import CheckpointConfig
-from hpctrain.data.config import BatchPlan, DataConfig, batch_plan
-from hpctrain.models.config import ModelConfig
-from hpctrain.optim_config import OptimConfig
-from hpctrain.parallel.config import ParallelConfig
-from hpctrain.section import ConfigError, PrecisionMode, opt, sub, to_dict
-from hpctrain.telemetry.config import TelemetryConfig
-from hpctrain.train_config import RunConfig, TrainConfig
+from hpctrain.config.checkpoint import CheckpointConfig
+from hpctrain.config.data import BatchPlan, DataConfig, batch_plan
+from hpctrain.config.model import ModelConfig
+from hpctrain.config.optim import OptimConfig
+from hpctrain.config.parallel import ParallelConfig
+from hpctrain.config.telemetry import TelemetryConfig
+from hpctrain.config.train import RunConfig, TrainConfig
+from hpctrain.core.section import ConfigError, PrecisionMode, opt, sub, to_dict
 
 __all__ = ["BatchPlan", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "RunConfig", "TrainConfig", "check_world", "config_from_args", "for_world", "load_config",

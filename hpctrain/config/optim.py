@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hpctrain.section import ConfigError, at_least, opt, positive
+from hpctrain.core.section import ConfigError, at_least, opt, positive
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
