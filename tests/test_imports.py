@@ -70,7 +70,7 @@ def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
 
 
 def _named_module(node: ast.AST) -> str | None:
-    """A string naming an hpctrain module (``"hpctrain.core.env"``, ``"hpctrain.bench.cli:add_parser"``):
+    """A string naming an hpctrain module (``"hpctrain.core.env"``, ``"hpctrain.cli.bench:add_parser"``):
     a lazy export, a command table entry, a ``-m`` target; each loads that module when used."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         match = re.fullmatch(r"(hpctrain(?:\.\w+)+)(?::\w+)?", node.value)
@@ -166,14 +166,14 @@ def _describe(graph: Graph, component: list[str]) -> str:
 
 def test_the_graph_sees_what_python_sees() -> None:
     graph = import_graph()
-    assert "hpctrain.launch.slurm" in graph["hpctrain.launch.cli"]  # in a function: `from hpctrain.launch import slurm`
+    assert "hpctrain.launch.slurm" in graph["hpctrain.cli.launch"]  # in a function: `from hpctrain.launch import slurm`
     assert "hpctrain.core.errors" in graph["hpctrain.core.section"]
     assert "hpctrain.core.env" in graph["hpctrain"]  # a lazy export
-    assert "hpctrain.estimate.cli" in graph["hpctrain.cli"]  # the command table
+    assert "hpctrain.cli.estimate" in graph["hpctrain.cli"]  # the command table
     # `from hpctrain.checkpoint import layout` is the submodule, not the package's __init__,
     # so a package exporting from its submodules is no cycle by itself
-    assert "hpctrain.checkpoint.layout" in graph["hpctrain.checkpoint.cli"]
-    assert "hpctrain.checkpoint" not in graph["hpctrain.checkpoint.cli"]
+    assert "hpctrain.checkpoint.layout" in graph["hpctrain.cli.ckpt"]
+    assert "hpctrain.checkpoint" not in graph["hpctrain.cli.ckpt"]
     assert "hpctrain.checkpoint.layout" in graph["hpctrain.checkpoint"]
 
 

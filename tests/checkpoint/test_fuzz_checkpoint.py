@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from hpctrain.checkpoint import layout, tensorfile
-from hpctrain.checkpoint.cli import _verify_one
 from hpctrain.checkpoint.state import REPLICATED_TENSORS, SHARDED_DIR
+from hpctrain.cli.ckpt import _verify_one
 from hpctrain.core.errors import HpctrainError
 from tests.checkpoint.test_crafted_reads import _train, deadline
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from hpctrain.cli import main
+from hpctrain.cli.estimate import parse_count
 from hpctrain.core.errors import UserError
 from hpctrain.estimate import activations, hardware, measure, memory, reliability
-from hpctrain.estimate.cli import parse_count
 from hpctrain.estimate.model import TransformerShape
 
 GPT3 = TransformerShape(layers=96, hidden=12288, heads=96, seq_len=2048, vocab=50257)

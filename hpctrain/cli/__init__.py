@@ -26,19 +26,19 @@ if TYPE_CHECKING:
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": (__name__, "train a model (reference trainer)"),
     "eval": (__name__, "evaluate saved weights on the validation split, exactly, at any world size"),
-    "run": ("hpctrain.launch.cli", "N local ranks via torchrun: hpctrain run -n 2 [train|eval] [CONFIG] [k=v]"),
-    "slurm": ("hpctrain.launch.cli", "write (and submit) an sbatch script; `slurm status|cancel RUN_DIR`"),
-    "doctor": ("hpctrain.launch.cli", "what a job sees on this node (or every node) and common mistakes"),
+    "run": ("hpctrain.cli.launch", "N local ranks via torchrun: hpctrain run -n 2 [train|eval] [CONFIG] [k=v]"),
+    "slurm": ("hpctrain.cli.launch", "write (and submit) an sbatch script; `slurm status|cancel RUN_DIR`"),
+    "doctor": ("hpctrain.cli.launch", "what a job sees on this node (or every node) and common mistakes"),
     "config": (__name__, "show the resolved config, or the config reference"),
     "models": (__name__, "list registered models with parameter counts"),
-    "ckpt": ("hpctrain.checkpoint.cli", "list, verify or export checkpoints"),
-    "data": ("hpctrain.data.cli", "pack data into tar shards (WebDataset layout), verify, inspect"),
-    "estimate": ("hpctrain.estimate.cli", "size a training run: FLOPs and time, memory per GPU by strategy, "
+    "ckpt": ("hpctrain.cli.ckpt", "list, verify or export checkpoints"),
+    "data": ("hpctrain.cli.data", "pack data into tar shards (WebDataset layout), verify, inspect"),
+    "estimate": ("hpctrain.cli.estimate", "size a training run: FLOPs and time, memory per GPU by strategy, "
                                           "checkpoint cost, Young-Daly interval"),
     "plan": ("hpctrain.parallel.auto", "choose strategy, tp, pp, activation checkpointing and micro-batch "
                                        "(parallel.strategy=auto) and print why, without training"),
     "report": ("hpctrain.telemetry.report", "summary table and plots of one or more runs (--html: one page)"),
-    "bench": ("hpctrain.bench.cli", "the workshop's benchmarks, one command each: table, JSON and PNG"),
+    "bench": ("hpctrain.cli.bench", "the workshop's benchmarks, one command each: table, JSON and PNG"),
 }
 
 
