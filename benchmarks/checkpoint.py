@@ -56,8 +56,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the measuring code is shared with `hpctrain bench checkpoint`
-from hpctrain.bench.ckpt_io import CPU, build_parts, run, state_bytes  # noqa: E402
-from hpctrain.bench.pagecache import evict  # noqa: E402
+from bench.ckpt_io import CPU, build_parts, run, state_bytes  # noqa: E402
+from bench.pagecache import evict  # noqa: E402
 
 
 def bench_restart(scratch: Path, local_dir: Path, gb: float, repeats: int) -> dict[str, float]:

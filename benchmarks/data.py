@@ -44,9 +44,9 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagecache import evict  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from bench.pagecache import evict  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
-import hpctrain.data.loader as shard_loader  # noqa: E402
+import hpctrain.data.decode as shard_decode  # noqa: E402
 from hpctrain.core.env import ClusterEnv  # noqa: E402
 from hpctrain.data.loader import ShardedLoader  # noqa: E402
 from hpctrain.data.pack import npy_bytes  # noqa: E402
@@ -168,13 +168,13 @@ def folder_batches(root: Path, workers: int) -> Iterable:
 
 
 def shard_batches(root: Path, workers: int) -> Iterable:
-    shard_loader._SPNG = None  # the default: libspng when importable (workers fork with this setting)
+    shard_decode._SPNG = None  # the default: libspng when importable (workers fork with this setting)
     return ShardedLoader(root, ClusterEnv(), BATCH, drop_last=False, num_workers=workers,
                          prefetch_factor=4, persistent_workers=False)
 
 
 def shard_batches_pil(root: Path, workers: int) -> Iterable:
-    shard_loader._SPNG = False  # PIL only, like the folder, webdataset, litdata and streaming rows
+    shard_decode._SPNG = False  # PIL only, like the folder, webdataset, litdata and streaming rows
     return ShardedLoader(root, ClusterEnv(), BATCH, drop_last=False, num_workers=workers,
                          prefetch_factor=4, persistent_workers=False)
 

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data as bench  # noqa: E402 - benchmarks/data.py: the same data, readers and peers
 
 from hpctrain.data.batch import Batch, PackedBatch  # noqa: E402
-from hpctrain.data.loader import InputConversion  # noqa: E402
+from hpctrain.data.decode import InputConversion  # noqa: E402
 
 PROFILED = ("shards-png-pil", "wds-png", "litdata-png", "mds-png")
 STAGES = ("read bytes (index, tar/chunk, checks)", "bytes to PIL (Image.open: header)",

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from hpctrain.core import env as cluster
-from hpctrain.data.memory import EvalLoader
+from hpctrain.data.in_memory import EvalLoader
 from hpctrain.data.sources import load_dataset
 from hpctrain.evaluation.evaluate import evaluate
 from hpctrain.evaluation.job import load_weights
-from hpctrain.evaluation.metrics import Accuracy
 from hpctrain.models import build_model
+from hpctrain.tasks.metrics import Accuracy
 
 
 @torch.no_grad()

@@ -119,8 +119,8 @@ sys.path.insert(0, str(ROOT))
 
 from hpctrain.checkpoint import layout  # noqa: E402
 from hpctrain.config import key_names  # noqa: E402
+from hpctrain.core.rundir import MARKER  # noqa: E402
 from hpctrain.data.manifest import manifest_path  # noqa: E402
-from hpctrain.rundir import MARKER  # noqa: E402
 from tests import test_config_fuzz as config_fuzz_tests  # noqa: E402
 from tests import test_rundir_safety as rundir_safety  # noqa: E402
 from tests.checkpoint import test_crafted as crafted  # noqa: E402

@@ -18,21 +18,21 @@ import timeit
 import torch
 
 from hpctrain.config import load_config
+from hpctrain.core import protocol as heartbeat
 from hpctrain.core.env import ClusterEnv
-from hpctrain.parallel.plan import plan_for
-from hpctrain.telemetry import heartbeat
+from hpctrain.planning.layout import layout_for
 from hpctrain.telemetry.loop import Telemetry
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, FORWARD, OPTIM, OTHER
 
 
 def per_step_us(calls: int, beat: bool = False) -> float:
     heartbeat._current = None  # a fresh meter opens its own heartbeat (or none)
-    os.environ.pop(heartbeat.ENV_DIR, None)
+    os.environ.pop(heartbeat.HEARTBEAT_ENV, None)
     if beat:
-        os.environ[heartbeat.ENV_DIR] = tempfile.mkdtemp(prefix="hpctrain-bench-beats-")
+        os.environ[heartbeat.HEARTBEAT_ENV] = tempfile.mkdtemp(prefix="hpctrain-bench-beats-")
     cfg = load_config(None, ["telemetry.peak_tflops=1"])
-    plan = plan_for(cfg.parallel, ClusterEnv())
-    tel = Telemetry.build(cfg.telemetry, ClusterEnv(), torch.device("cpu"), 0, batch=plan)
+    layout = layout_for(cfg.parallel, ClusterEnv())
+    tel = Telemetry.build(cfg.telemetry, ClusterEnv(), torch.device("cpu"), 0, batch=layout)
     meter = tel.meter
     meter.counted = True
 

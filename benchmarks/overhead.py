@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 # the two loops and their comparison are shared with `hpctrain bench baseline`
-from hpctrain.bench.loops import compare, make_config
+from bench.loops import compare, make_config
 
 
 def tiny_linear(num_classes: int = 10) -> torch.nn.Module:

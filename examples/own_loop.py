@@ -1,13 +1,15 @@
-"""A complete training loop of your own, from hpctrain's public parts only: the cluster
-environment, a parallel strategy, a resumable distributed loader over your own Dataset,
-precision, exact evaluation, a checkpointer with automatic resume and "preempted: save, then
-exit 3", and the step-time meter.
+"""A complete training loop of your own, from hpctrain's public parts only (``import hpctrain``; 12
+names, plus ClusterEnv for a type hint and params_sha256 to compare runs): the cluster environment,
+a parallel strategy (DDP, ZeRO-1 or sharded: FSDP), a resumable distributed loader over your own
+Dataset, exact evaluation, a checkpointer with automatic resume and "preempted: save, then exit 3",
+and the step-time meter with its phases named.
 
-    torchrun --standalone --nproc-per-node=2 examples/own_loop.py RUN_DIR [--strategy zero1]
+    torchrun --standalone --nproc-per-node=2 examples/own_loop.py RUN_DIR [--strategy fsdp]
 
 Run the same command again after a kill or a preemption: it resumes from the newest intact
 checkpoint in RUN_DIR, bit for bit. The final line is JSON: the exact accuracy over the whole
-validation set (every sample once across ranks), the steps, and the weights' sha256.
+validation set (every sample once across ranks), the steps, the weights' sha256 and where
+the steps' time went (the meter's breakdown, seconds per step).
 """
 
 from __future__ import annotations
@@ -17,22 +19,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import TensorDataset
 
 import hpctrain
-from hpctrain.checkpoint import EXIT_PREEMPTED, Checkpointer
-from hpctrain.checkpoint.state import Counters
-from hpctrain.config.checkpoint import CheckpointConfig
-from hpctrain.config.parallel import ParallelConfig
-from hpctrain.data.memory import EvalLoader, MemoryLoader
-from hpctrain.evaluation.metrics import Accuracy, MeanLoss
-from hpctrain.parallel import strategy_for
-from hpctrain.rundir import params_sha256
-from hpctrain.telemetry.meter import Meter
 
 EPOCHS, BATCH = 3, 16
 
@@ -65,44 +60,59 @@ def main(run_dir: Path, strategy_name: str, pause: float = 0.0) -> int:
 
 def train(run_dir: Path, strategy_name: str, env: hpctrain.ClusterEnv, device: torch.device, pause: float) -> int:
     train_set, val_set = datasets()
-    strategy = strategy_for(ParallelConfig(strategy=strategy_name), env, device, seed=0)
+    strategy = hpctrain.strategy_for(hpctrain.ParallelConfig(strategy=strategy_name), env, device, seed=0)
     strategy.setup(net, loss_fn=loss_fn, make_optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
                    make_scheduler=lambda optimizer: None)
-    loader = MemoryLoader(train_set, env, BATCH, seed=0)  # every sample once per epoch, split by rank
-    counters = Counters()
+    loader = hpctrain.MemoryLoader(train_set, env, BATCH, seed=0)  # every sample once per epoch, split by rank
+    counters = hpctrain.Counters()
     torch.manual_seed(1 + env.rank)  # dropout differs per rank; a resume restores these streams
-    ckpt = Checkpointer(run_dir, env, device, CheckpointConfig(every_steps=10, every_seconds=None),
-                        {"model": strategy.checkpoint_state(), "scaler": strategy.precision,
-                         "counters": counters, "loader": loader})
+    ckpt = hpctrain.Checkpointer(run_dir, env, device, hpctrain.CheckpointConfig(every_steps=10, every_seconds=None),
+                                 {"model": strategy.checkpoint_state(), "scaler": strategy.precision,
+                                  "counters": counters, "loader": loader})
     ckpt.resume("auto")
-    meter = Meter(BATCH * env.world_size, counters.step, device)
+    meter = hpctrain.Meter(BATCH * env.world_size, counters.step, device)
+    if not fit(strategy, loader, counters, ckpt, meter, device, pause):
+        return hpctrain.EXIT_PREEMPTED  # the launcher (or Slurm's requeue) runs the same command again
+    result = hpctrain.evaluate_dataset(strategy.model, val_set, 64)  # exact loss and accuracy, on every rank
+    # the whole weights (FSDP holds shards: every rank takes part in gathering them), to compare runs
+    whole = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True))
+    sha256 = hpctrain.params_sha256(strategy.inner, whole)
+    if env.is_main:
+        times = {k: v for k, v in meter.summary(counters.step).items() if k.startswith(("time_", "samples_per_s"))}
+        print(json.dumps({"accuracy": result.metrics["accuracy"], "count": result.metrics["count"],
+                          "steps": counters.step, "params_sha256": sha256, **times}), flush=True)
+    return 0
+
+
+def fit(strategy: Any, loader: hpctrain.MemoryLoader[Any], counters: hpctrain.Counters, ckpt: hpctrain.Checkpointer,
+        meter: hpctrain.Meter, device: torch.device, pause: float) -> bool:
+    """The epochs left; False when a preemption signal stopped them (every rank saved the same step)."""
     while counters.epoch < EPOCHS:
         loader.set_epoch(counters.epoch)
         for batch in loader:
-            strategy.micro_step(batch.inputs.to(device), batch.targets.to(device), None, sync=True, accum=1)
+            inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+            meter.data()  # each mark books the time since the previous one to the phase it names
+            strategy.micro_step(inputs, targets, None, sync=True, accum=1)
+            meter.compute()
             strategy.optimizer_step()
+            meter.optimizer()
             counters.step += 1
             time.sleep(pause)  # --pause: a slower run, to be killed or signalled mid-epoch
-            meter.lap(0)
-            if ckpt.at_step({}):  # a preemption signal: every rank saved the same step
+            meter.other()
+            if ckpt.at_step({}):
                 ckpt.close()
-                return EXIT_PREEMPTED  # the launcher (or Slurm's requeue) runs the same command again
+                return False
+            meter.checkpoint()
         counters.epoch += 1
     ckpt.finish({})
     ckpt.close()
-    result = hpctrain.evaluate(strategy.model, EvalLoader(val_set, env, 64), [MeanLoss(), Accuracy()], env, device,
-                               strategy.precision)
-    if env.is_main:
-        print(json.dumps({"accuracy": result.metrics["accuracy"], "count": result.metrics["count"],
-                          "steps": counters.step, "samples_per_s": meter.summary(counters.step).get("samples_per_s"),
-                          "params_sha256": params_sha256(strategy.inner)}), flush=True)
-    return 0
+    return True
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--strategy", default="ddp", choices=("ddp", "zero1"))
+    parser.add_argument("--strategy", default="ddp", choices=("ddp", "zero1", "fsdp"))
     parser.add_argument("--pause", type=float, default=0.0, help="seconds to sleep after each step")
     args = parser.parse_args()
     sys.exit(main(args.run_dir, args.strategy, args.pause))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hpctrain.core.errors import RunError, UserError
+from hpctrain.core.modules import is_dtensor
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: bf16 outside the linears
 MODES = ("fp32", "bf16", "fp16", "fp8")
@@ -132,8 +133,6 @@ def local_max_abs(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """The largest magnitude of this rank's part of ``tensors``, on their device (no host sync):
     nan or inf exactly when one element is. A max, not an L2 norm: huge but finite values do not
     overflow it. DTensors count by their local shard; the caller reduces over ranks."""
-    from hpctrain.parallel.wrappers import is_dtensor
-
     local = [t.to_local() if is_dtensor(t) else t for t in tensors]
     if not local:
         return torch.zeros(())

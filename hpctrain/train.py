@@ -22,29 +22,17 @@ from torch import nn
 from tqdm import tqdm
 
 from hpctrain.checkpoint import Checkpointer
-from hpctrain.checkpoint.preempt import Preempted, SignalFlag, signal_names, write_status
+from hpctrain.checkpoint.preempt import Preempted, SignalFlag, signal_names
 from hpctrain.checkpoint.state import Counters
 from hpctrain.config import Config, ConfigError, to_yaml
 from hpctrain.core import env as cluster
+from hpctrain.core import protocol
+from hpctrain.core.atomic import atomic_write_text, write_json
+from hpctrain.core.protocol import write_status
 from hpctrain.core.run_lock import RunDirLock
-from hpctrain.core.section import to_dict
-from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data, eval_batch_size
-from hpctrain.data.batch import main_input
-from hpctrain.data.user import bound_stream
-from hpctrain.evaluation.evaluate import EvalResult
-from hpctrain.evaluation.metrics import Metric, user_metrics
-from hpctrain.launch.rank import first_cause
-from hpctrain.models.registry import resolve_num_classes
-from hpctrain.optim import build_optimizer, build_scheduler, epoch_over, peak_lr
-from hpctrain.parallel.auto import resolve_auto
-from hpctrain.parallel.base import Strategy
-from hpctrain.parallel.plan import Plan, make_plan
-from hpctrain.parallel.registry import make_strategy
-from hpctrain.precision import LateRead, NumericsWatch, Precision, local_max_abs
-from hpctrain.rundir import (
+from hpctrain.core.rundir import (
     SUMMARY,
     RunDirError,
-    atomic_write_text,
     check_run_dir,
     failure_recorded,
     finished_run_error,
@@ -53,11 +41,23 @@ from hpctrain.rundir import (
     remove_empty_dirs,
     reopen_finished_run,
     resolve_run_dir,
-    write_json,
 )
+from hpctrain.core.section import to_dict
+from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data, eval_batch_size
+from hpctrain.data.batch import main_input
+from hpctrain.data.user import bound_stream
+from hpctrain.evaluation.evaluate import EvalResult
+from hpctrain.launch.rank import first_cause
+from hpctrain.models.registry import resolve_num_classes
+from hpctrain.optim import build_optimizer, build_scheduler, epoch_over, peak_lr
+from hpctrain.parallel import checkpoint_formats  # noqa: F401  # every format's view, for resume's format check
+from hpctrain.parallel.base import Strategy
+from hpctrain.planning.auto import resolve_auto
+from hpctrain.planning.layout import RunLayout, build_strategy, make_layout
+from hpctrain.precision import LateRead, NumericsWatch, Precision, local_max_abs
 from hpctrain.tasks import Classification, Task, data_targets, resolve_task, training_loss
 from hpctrain.tasks.inputs import build_task_model
-from hpctrain.telemetry import heartbeat
+from hpctrain.tasks.metrics import Metric, user_metrics
 from hpctrain.telemetry.loop import Telemetry
 from hpctrain.telemetry.meter import BACKWARD, CKPT, DATA, EVAL, FORWARD, OPTIM, OTHER
 from hpctrain.weights import save_model_streamed
@@ -75,7 +75,7 @@ class Components:
     train_loader: TrainLoader
     val_loader: EvalBatches | None
     metrics: list[Metric]
-    plan: Plan
+    layout: RunLayout
     counters: Counters = field(default_factory=Counters)
     task: Task = field(default_factory=Classification)  # split, loss and metrics (hpctrain.tasks)
 
@@ -140,21 +140,21 @@ def total_steps(cfg: Config, batches_per_epoch: int) -> int:
 
 
 def load_data(cfg: Config, env: cluster.ClusterEnv, device: torch.device, *, with_val: bool = True) -> DataBundle:
-    """The run's data, as ``env`` (the plan's data view: one rank per data-parallel replica) sees it."""
+    """The run's data, as ``env`` (the run layout's data view: one rank per data-parallel replica) sees it."""
     return build_data(cfg.data, env, device, seed=cfg.seed, seq_len=cfg.model.seq_len,
                       num_classes=cfg.model.num_classes or None, with_val=with_val,
                       targets=data_targets(cfg.train.task, cfg.train.loss))
 
 
 def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device, data: DataBundle,
-                     plan: Plan | None = None) -> Components:
-    """``cfg`` as this world size runs it and its ``plan`` (both from
-    :func:`hpctrain.parallel.plan.make_plan`; computed here when not given)."""
-    if plan is None:
-        resolved, plan = make_plan(cfg, env)
+                     layout: RunLayout | None = None) -> Components:
+    """``cfg`` as this world size runs it and its ``layout`` (both from
+    :func:`hpctrain.planning.layout.make_layout`; computed here when not given)."""
+    if layout is None:
+        resolved, layout = make_layout(cfg, env)
         if (resolved.data.batch_size, resolved.train.grad_accum) != (cfg.data.batch_size, cfg.train.grad_accum):
             raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} needs the per-rank split first; "
-                              "hint: cfg, plan = hpctrain.parallel.plan.make_plan(cfg, env) before build_data")
+                              "hint: cfg, layout = hpctrain.planning.layout.make_layout(cfg, env) before build_data")
     task = resolve_task(cfg.train.task, data.task, cfg.data.name, loss=cfg.train.loss,
                         class_targets=data.class_targets)
     num_classes = resolve_num_classes(cfg.model, data.num_classes, data.input_shape, data.input_dtype, cfg.data.name)
@@ -162,13 +162,13 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
     def factory() -> nn.Module:  # dict inputs reach the model as model(**inputs) (hpctrain.tasks.inputs)
         return build_task_model(task, cfg.model.name, num_classes, data.input_shape, data.input_dtype, cfg.model)
 
-    strategy = make_strategy(plan.strategy, plan, env, device, cfg.parallel, precision=cfg.precision,
-                             compile=cfg.train.compile, seed=cfg.seed, clip_grad_norm=cfg.train.clip_grad_norm)
+    strategy = build_strategy(layout, env, device, cfg.parallel, precision=cfg.precision,
+                              compile=cfg.train.compile, seed=cfg.seed, clip_grad_norm=cfg.train.clip_grad_norm)
     # a stream without __len__: one epoch of train.max_steps (refused without it)
     data.train_size = bound_stream(data.train_loader, cfg.train.max_steps, cfg.train.grad_accum) or data.train_size
     steps = total_steps(cfg, len(data.train_loader))
     needs_schedule = cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > 0
-    lr = peak_lr(cfg.optim, plan.global_batch)
+    lr = peak_lr(cfg.optim, layout.global_batch)
     # seeded: identical initial weights on every rank (under parallel.meta_init, rank 0's, scattered)
     epoch_end = epoch_over(data.train_loader, cfg.train.grad_accum)  # optim.schedule_interval=epoch steps there
     strategy.setup(factory, loss_fn=training_loss(task, cfg.train.loss),
@@ -176,7 +176,7 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
                    make_scheduler=lambda opt: build_scheduler(opt, cfg.optim, steps, epoch_end)
                    if needs_schedule else None)
     metrics = [*task.metrics(num_classes), *user_metrics(cfg.train.metrics)]  # train.metrics: the user's, by path
-    return Components(strategy, data.train_loader, data.val_loader, metrics, plan, task=task)
+    return Components(strategy, data.train_loader, data.val_loader, metrics, layout, task=task)
 
 
 # ---------------------------------------------------------------- the loop
@@ -214,7 +214,7 @@ def fit(cfg: Config, env: cluster.ClusterEnv, device: torch.device, parts: Compo
         telemetry: Telemetry | None = None, ckpt: Checkpointer | None = None) -> LoopResult:
     """Train until ``train.epochs`` or ``train.max_steps``; validate as configured.
     Without ``telemetry`` the loop is measured but logs nowhere."""
-    tel = telemetry or Telemetry.build(cfg.telemetry, env, device, parts.counters.step, batch=parts.plan,
+    tel = telemetry or Telemetry.build(cfg.telemetry, env, device, parts.counters.step, batch=parts.layout,
                                        precision=cfg.precision, log_every=cfg.train.log_every)
     return _fit(Loop(cfg, env, device, parts, tel, ckpt))
 
@@ -371,7 +371,7 @@ def _skip_update(loop: Loop) -> None:
 
 def _count_first_batch(loop: Loop, batch: Batch, inputs: Any, targets: torch.Tensor) -> None:
     """Once: FLOPs of a step (on meta, from the inputs the model reads; this rank's share of
-    them, by the plan) and, for a token task, the tokens in this rank's micro-batch (for tokens/s;
+    them, by the run layout) and, for a token task, the tokens in this rank's micro-batch (for tokens/s;
     padding, attention_mask 0 or target -100, not counted)."""
     count = getattr(loop.parts.task, "count_tokens", None)  # a user's registered task may not have it
     tokens = count(inputs, targets) if count is not None else None
@@ -449,7 +449,7 @@ def _validate(loop: Loop) -> None:
     parts, result = loop.parts, loop.result
     if parts.val_loader is None:
         return
-    with heartbeat.during(heartbeat.VALIDATING):  # the watchdog's long allowance, for validation only
+    with protocol.during(protocol.VALIDATING):  # the watchdog's long allowance, for validation only
         res = parts.strategy.evaluate(parts.val_loader, parts.metrics, parts.task,
                                       batch_size=eval_batch_size(loop.cfg.data))
     result.eval_seconds += res.seconds
@@ -499,7 +499,7 @@ def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
     ``env``: this rank's place (default: detected from the launcher, or a running process group)."""
     env = env or cluster.detect()
     given = cfg = resolve_auto(cfg, env)  # parallel.strategy=auto: config.yaml records the choice
-    cfg, plan = make_plan(cfg, env)  # every rank, before the group: bad combinations fail all alike with exit 2
+    cfg, layout = make_layout(cfg, env)  # every rank, before the group: bad combinations fail all alike with exit 2
     run_dir = resolve_run_dir(cfg.run.dir, cfg)
     resume = cfg.resume if cfg.checkpoint.enabled else "never"
     # read-only, every rank: all fail alike before the group; a finished run asked for more steps continues
@@ -510,7 +510,7 @@ def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
     lock = RunDirLock(run_dir) if env.is_main else None  # one live run per run.dir, held by rank 0
     try:
         prepare_run_dir_together(run_dir, cfg.run.overwrite, resume, env.is_main, lock, cfg.train)  # rank 0 alone
-        return _train_in_group(cfg, plan, env, device, run_dir, given)
+        return _train_in_group(cfg, layout, env, device, run_dir, given)
     except BaseException:
         if lock is not None:
             lock.release()  # before its directory may be removed
@@ -523,7 +523,7 @@ def train(cfg: Config, env: cluster.ClusterEnv | None = None) -> dict[str, Any]:
             cluster.teardown()
 
 
-def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
+def _train_in_group(cfg: Config, layout: RunLayout, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
                     given: Config | None = None) -> dict[str, Any]:
     """``cfg`` as this world size runs it; ``given`` (default: cfg) as the user wrote it, for config.yaml."""
     # once the group exists (before, SIGTERM must still end a rank whose peer failed to start); a
@@ -532,22 +532,22 @@ def _train_in_group(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
     signals.install()  # early: a preemption during set-up must not kill the job unsaved
     try:  # and gone again however the run ends: a caller in this process keeps its own handlers
         with first_cause():  # a rank that died first is named, not our collective's error after it
-            return _set_up_and_run(cfg, plan, env, device, run_dir, given or cfg, signals)
+            return _set_up_and_run(cfg, layout, env, device, run_dir, given or cfg, signals)
     finally:
         signals.uninstall()
 
 
-def _set_up_and_run(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
+def _set_up_and_run(cfg: Config, layout: RunLayout, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
                     given: Config, signals: SignalFlag) -> dict[str, Any]:
     configure_runtime(cfg, env)
-    data = load_data(cfg, plan.data_env(env), device)
-    parts = build_components(cfg, env, device, data, plan)
+    data = load_data(cfg, layout.data_env(env), device)
+    parts = build_components(cfg, env, device, data, layout)
     if parts.val_loader is not None:  # a misspelt train.best_metric fails now, not after the first validation
         names = {f"val_{k}": v for m in parts.metrics for k, v in m.compute().items() if isinstance(v, (int, float))}
         _improved(cfg, best_metric(cfg, parts.task), names, {})
     # dropout etc. differ per replica; the tp ranks of one replica draw the same masks on the
     # activations they all hold (data order is the same everywhere)
-    seed_everything(cfg.seed + plan.dp_rank)
+    seed_everything(cfg.seed + layout.dp_rank)
     # a finished run asked for more steps (rundir.check_run_dir: "extend"); every rank reads it here, before
     # the resume's collectives, after which rank 0 alone removes summary.json (_reopen_finished)
     extending = (run_dir / SUMMARY).exists()
@@ -562,7 +562,7 @@ def _set_up_and_run(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
             if resumed:
                 _continue_schedule(cfg, parts, env)
         # a logger whose package is missing fails every rank here, before config.yaml or status.json
-        tel = Telemetry.build(cfg.telemetry, env, device, parts.counters.step, batch=plan, precision=cfg.precision,
+        tel = Telemetry.build(cfg.telemetry, env, device, parts.counters.step, batch=layout, precision=cfg.precision,
                               log_every=cfg.train.log_every, run_dir=run_dir, run_config=to_dict(cfg))
     except BaseException as err:
         if ckpt is not None:
@@ -575,8 +575,8 @@ def _set_up_and_run(cfg: Config, plan: Plan, env: cluster.ClusterEnv, device: to
         write_status(run_dir, "running", step=parts.counters.step)
         log.info("training %s on %s: %d train / %d val samples, world size %d, device %s; global batch %d = "
                  "%d per rank x %d micro-steps x %d %s", cfg.model.name, cfg.data.name, data.train_size,
-                 data.val_size, env.world_size, device, plan.global_batch, plan.micro_batch, plan.grad_accum,
-                 plan.dp, "ranks" if plan.dp == env.world_size else "data-parallel replicas")
+                 data.val_size, env.world_size, device, layout.global_batch, layout.micro_batch, layout.grad_accum,
+                 layout.dp, "ranks" if layout.dp == env.world_size else "data-parallel replicas")
     # up to summary.json, an error leaves status.json "failed" with the error (model.pt too)
     with failure_recorded(env.is_main, lambda error: write_status(run_dir, "failed", step=parts.counters.step,
                                                                    error=error)), first_cause():

@@ -11,6 +11,10 @@ import torch.distributed as dist
 
 # Tests run on 2 cores: one thread per rank keeps multi-rank tests from oversubscribing.
 torch.set_num_threads(1)
+# ... and torch.compile generates its kernels in the compiling process (the same code): by default
+# every compiling rank starts a pool of worker interpreters (one per core, each importing torch),
+# which cost more CPU than the suite's small graphs take to compile. Subprocesses inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -50,13 +50,15 @@ _CONTEXT: Any = None
 def _context() -> Any:
     """Ranks are forked from a server that imported torch and hpctrain once: each is still a fresh
     process (no process group, no threads, no state of earlier tests), but starts in ~0.3 s instead
-    of the 5-15 s a spawned interpreter needs to import them. DeepSpeed stays out of the preload:
-    it picks its accelerator when imported."""
+    of the 5-15 s a spawned interpreter needs to import them. torch._dynamo too: the first
+    optimizer a process builds imports it (torch.optim's constructor; it brings FSDP and DTensor),
+    ~1.3 s of CPU that every rank paid again (starts no thread). DeepSpeed stays out of the
+    preload: it picks its accelerator when imported."""
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hpctrain.train", "tests.dist_utils",
-                                         "tests.sharding_models"])
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hpctrain.train",
+                                         "tests.dist_utils", "tests.sharding_models"])
     return _CONTEXT
 
 

@@ -153,7 +153,7 @@ def train_toy(env, overrides: dict, steps: int = 10, layers: int = 4, lr: float 
 
     from hpctrain.config.parallel import ParallelConfig
     from hpctrain.parallel import mesh_for, strategy_for
-    from hpctrain.parallel.footprint import state_bytes
+    from hpctrain.telemetry.footprint import state_bytes
 
     cfg = ParallelConfig(**overrides)
     mesh = mesh_for(env, cfg)[1] if env.distributed else None

@@ -8,7 +8,7 @@ Where the time goes, and what keeps it short (nothing here is a product option):
 - A fresh Python process that imports torch and hpctrain costs 3-5 s of CPU before it trains
   a step, and the runs themselves take well under a second at ``--quick``. So the
   single-process runs of amp, workers and batch run in this process (:func:`in_process`:
-  the same :func:`hpctrain.bench.child.main` on the same command line). The fresh-process path
+  the same :func:`bench.child.main` on the same command line). The fresh-process path
   they skip (``command``, ``launch``, the child's ``__main__``, the rank reports read back) is
   the one scaling's 1-rank runs take, and test_a_failed_run_names_its_cause fails a real child
   through it.
@@ -17,7 +17,7 @@ Where the time goes, and what keeps it short (nothing here is a product option):
   they would pick are checked without runs.
 - (In the product, for every user:) a bench child reads its overrides before it imports torch,
   so a bad one fails in a fraction of a second, and a run that worked skips the interpreter's
-  ~1 s teardown of torch (:func:`hpctrain.bench.child.finish`).
+  ~1 s teardown of torch (:func:`bench.child.finish`).
 """
 
 from __future__ import annotations
@@ -35,14 +35,20 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain.bench import child, runner
-from hpctrain.bench.context import Context
-from hpctrain.bench.runner import RunStats, Steps, launch, steady
-from hpctrain.bench.scaling import max_procs, plan, table_rows
-from hpctrain.bench.strategies import cases, refusal, world
+from hpctrain.cli import bench as bench_command
 from hpctrain.cli import main
+from hpctrain.cli.bench import BENCH_DIR_ENV, find_bench_dir
 from hpctrain.core.errors import RunError
 from hpctrain.launch.doctor import cpus
+from tests.dist_utils import ROOT
+
+# the cases live in the checkout's benchmarks/bench/, outside the package: found as `hpctrain bench` finds them
+sys.path.insert(0, str(find_bench_dir()))
+from bench import child, runner  # noqa: E402
+from bench.context import Context  # noqa: E402
+from bench.runner import RunStats, Steps, launch, steady  # noqa: E402
+from bench.scaling import max_procs, plan, table_rows  # noqa: E402
+from bench.strategies import cases, refusal, world  # noqa: E402
 
 pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)
 
@@ -86,14 +92,14 @@ def _finite_positive(*values: float) -> bool:
 
 @pytest.fixture
 def in_process(monkeypatch) -> Iterator[list[list[str]]]:
-    """The bench's single-process runs (``python -m hpctrain.bench.child PREFIX k=v ...``) as
-    :func:`hpctrain.bench.child.main` in this process, its output in the run's log as before;
+    """The bench's single-process runs (``python -m bench.child PREFIX k=v ...``) as
+    :func:`bench.child.main` in this process, its output in the run's log as before;
     runs under torchrun still start their processes. What the run changes in this process
     (threads, the random generators) is put back. Yields the command lines it ran."""
     real, ran = runner.launch, []
 
     def launch_here(cmd: list[str], log: Path) -> None:
-        if cmd[:3] != [sys.executable, "-m", "hpctrain.bench.child"]:
+        if cmd[:3] != [sys.executable, "-m", "bench.child"]:
             return real(cmd, log)
         ran.append(cmd)
         with open(log, "w") as fh, contextlib.redirect_stdout(fh):
@@ -244,7 +250,7 @@ def test_scaling_alternates_which_loop_goes_first():
 
 def test_a_failed_run_names_its_cause(tmp_path):
     with pytest.raises(RunError, match="unknown key 'data.batchsize'") as err:
-        launch([sys.executable, "-m", "hpctrain.bench.child", str(tmp_path / "r"), "data.batchsize=3"],
+        launch([sys.executable, "-m", "bench.child", str(tmp_path / "r"), "data.batchsize=3"],
                tmp_path / "r.log")
     assert str(tmp_path / "r.log") in str(err.value)
 
@@ -267,3 +273,40 @@ def test_default_rank_counts(tmp_path):
     else:
         assert max_procs(ctx) == max(2, min(cores, 8)) and world(ctx) == max(2, min(cores, 4))
     assert max_procs(Context(quick=True, work=tmp_path, procs=1)) == 1
+
+
+# ---------------------------------------------------------------- the cases live outside the package
+
+
+def test_the_cases_are_found_in_a_source_checkout_and_are_no_part_of_the_wheel(monkeypatch):
+    """The checkout's benchmarks/bench/ (beside an editable install, by default), or the checkout
+    or its benchmarks/ named by --from or HPCTRAIN_BENCH_DIR; the wheel packs hpctrain* only."""
+    tomllib = pytest.importorskip("tomllib")
+    from setuptools import find_packages
+
+    monkeypatch.delenv(BENCH_DIR_ENV, raising=False)
+    assert find_bench_dir() == find_bench_dir(str(ROOT)) == find_bench_dir(str(ROOT / "benchmarks")) \
+        == ROOT / "benchmarks"
+    monkeypatch.setenv(BENCH_DIR_ENV, str(ROOT))
+    assert find_bench_dir() == ROOT / "benchmarks"
+    assert child.__file__ == str(ROOT / "benchmarks" / "bench" / "child.py")
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = find_packages(str(ROOT), include=include)
+    assert "hpctrain.cli" in shipped and not [p for p in shipped if p.split(".")[0] != "hpctrain" or "bench" in p]
+
+
+def test_without_a_source_checkout_bench_exits_2_with_a_one_line_hint(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(BENCH_DIR_ENV, raising=False)
+    monkeypatch.setattr(bench_command, "_BESIDE_PACKAGE", tmp_path / "site-packages" / "benchmarks")  # a wheel
+    assert main(["bench", "batch", "--quick", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == (
+        "hpctrain bench: error: hpctrain bench needs a source checkout (this hpctrain is installed without its "
+        "source checkout); hint: git clone the repository and pip install -e . there, or pass --from CHECKOUT "
+        f"(or set {BENCH_DIR_ENV}=CHECKOUT)\n")
+    assert not (tmp_path / "o").exists()
+    for args, env in (((["--from", str(tmp_path)]), None), ([], str(tmp_path))):
+        if env:
+            monkeypatch.setenv(BENCH_DIR_ENV, env)
+        assert main(["bench", "batch", "--quick", "--out", str(tmp_path / "o"), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"({tmp_path} holds no bench/ package)" in err

@@ -165,7 +165,7 @@ def _exit_code(main, argv):
 
 def test_the_default_run_dir_is_one_folder_whatever_the_names() -> None:
     """data.name / model.name may be a file source or an import path: each names one folder."""
-    from hpctrain.rundir import resolve_run_dir
+    from hpctrain.core.rundir import resolve_run_dir
 
     cfg = load_config(None, ["data.name=csv:data/x.csv", "model.name=tests.user_models:tiny_mlp"])
     assert resolve_run_dir(cfg.run.dir, cfg) == Path("runs/csv-data-x.csv-tests.user_models-tiny_mlp")

@@ -3,7 +3,8 @@
 The graph is read from the source with :mod:`ast`, not from a live interpreter, so it sees
 every import a module may run: module level and inside functions alike (a deferred import
 that closes a loop is still a cycle, only a later-failing one). Imports under
-``if TYPE_CHECKING:`` never run and are left out. ``from pkg import name`` is an edge to
+``if TYPE_CHECKING:`` count too: they never run, but a type checker follows them, and two
+modules that need each other's types are one concern split in two. ``from pkg import name`` is an edge to
 ``pkg.name`` when that is a module, else to ``pkg`` itself. A string naming an hpctrain
 module is an edge too: a lazy export (``_EXPORTS = {"name": "hpctrain.module"}`` read by a
 PEP 562 ``__getattr__``), the CLI's table of subcommands, a ``python -m`` target. A package
@@ -20,6 +21,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -49,16 +51,38 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
-    """Every node that can run, at any depth: all but the body of ``if TYPE_CHECKING:``."""
+@dataclass(frozen=True)
+class Edge:
+    """One import of an hpctrain module: who, what, where, and how it runs."""
+
+    importer: str
+    imported: str
+    path: Path
+    line: int
+    deferred: bool  # inside a function: runs when the function is called
+    type_checking: bool  # under ``if TYPE_CHECKING:``: runs only for a type checker
+    statement: bool = True  # an import statement; False: a string naming the module
+
+    @property
+    def where(self) -> str:
+        shown = self.path.relative_to(ROOT.parent) if self.path.is_relative_to(ROOT.parent) else self.path
+        return f"{shown}:{self.line}"
+
+
+def _nodes(tree: ast.AST, deferred: bool = False, type_checking: bool = False) -> Iterator[tuple[ast.AST, bool, bool]]:
+    """Every node at any depth, with whether it sits in a function and under ``if TYPE_CHECKING:``."""
     for node in ast.iter_child_nodes(tree):
+        yield node, deferred, type_checking
+        in_function = deferred or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                yield child, in_function, True
+                yield from _nodes(child, in_function, True)
             for child in node.orelse:
-                yield child
-                yield from _runtime_nodes(child)
+                yield child, in_function, type_checking
+                yield from _nodes(child, in_function, type_checking)
             continue
-        yield node
-        yield from _runtime_nodes(node)
+        yield from _nodes(node, in_function, type_checking)
 
 
 def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
@@ -78,27 +102,44 @@ def _named_module(node: ast.AST) -> str | None:
     return None
 
 
-def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
-    """The hpctrain modules ``module`` imports, at any depth, TYPE_CHECKING blocks aside."""
-    found: set[str] = set()
+def _imported_names(module: str, node: ast.AST, is_package: bool, known: set[str]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = _absolute(module, node, is_package)
+        return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+    named = _named_module(node)
+    return [named] if named is not None and named in known else []
+
+
+def edges_of(module: str, path: Path, known: set[str]) -> list[Edge]:
+    """Every import of an hpctrain module in ``module``: module level, in functions, under
+    ``if TYPE_CHECKING:``, and the strings that name a module (see the module's docstring)."""
+    found: list[Edge] = []
     is_package = path.name == "__init__.py"
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = _absolute(module, node, is_package)
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.add(sub if sub in known else base)
-        elif (named := _named_module(node)) is not None and named in known:
-            found.add(named)
-    return {_nearest_module(name, known) for name in found if name.split(".")[0] == "hpctrain"} - {module}
+    for node, deferred, type_checking in _nodes(ast.parse(path.read_text(), str(path))):
+        for name in _imported_names(module, node, is_package, known):
+            if name.split(".")[0] != "hpctrain" or (target := _nearest_module(name, known)) == module:
+                continue
+            found.append(Edge(module, target, path, getattr(node, "lineno", 0), deferred, type_checking,
+                              isinstance(node, (ast.Import, ast.ImportFrom))))
+    return found
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """The hpctrain modules ``module`` imports, at any depth, TYPE_CHECKING blocks included."""
+    return {edge.imported for edge in edges_of(module, path, known)}
 
 
 def _nearest_module(name: str, known: set[str]) -> str:
     while name not in known and "." in name:
         name = name.rsplit(".", 1)[0]
     return name
+
+
+def all_edges(root: Path = ROOT) -> list[Edge]:
+    modules = module_names(root)
+    return [edge for name, path in modules.items() for edge in edges_of(name, path, set(modules))]
 
 
 def import_graph(root: Path = ROOT) -> Graph:
@@ -177,15 +218,19 @@ def test_the_graph_sees_what_python_sees() -> None:
     assert "hpctrain.checkpoint.layout" in graph["hpctrain.checkpoint"]
 
 
-def test_type_checking_imports_are_no_edges_and_imports_in_functions_are(tmp_path: Path) -> None:
+def test_type_checking_imports_and_imports_in_functions_are_edges(tmp_path: Path) -> None:
     pkg = tmp_path / "hpctrain"
     pkg.mkdir()
     (pkg / "__init__.py").write_text('_EXPORTS = {"thing": "hpctrain.c"}\n')
     (pkg / "a.py").write_text("from hpctrain import b\n")
     (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hpctrain.a import X\n")
     (pkg / "c.py").write_text("def f():\n    from .a import thing\n")
-    assert import_graph(pkg) == {"hpctrain": {"hpctrain.c"}, "hpctrain.a": {"hpctrain.b"}, "hpctrain.b": set(),
+    assert import_graph(pkg) == {"hpctrain": {"hpctrain.c"}, "hpctrain.a": {"hpctrain.b"}, "hpctrain.b": {"hpctrain.a"},
                                  "hpctrain.c": {"hpctrain.a"}}
+    kinds = {(e.importer, e.imported): (e.line, e.deferred, e.type_checking) for e in all_edges(pkg)}
+    assert kinds == {("hpctrain", "hpctrain.c"): (1, False, False), ("hpctrain.a", "hpctrain.b"): (1, False, False),
+                     ("hpctrain.b", "hpctrain.a"): (3, False, True), ("hpctrain.c", "hpctrain.a"): (2, True, False)}
+    assert cycles(import_graph(pkg)) == [["hpctrain.a", "hpctrain.b", "hpctrain.a"]]
 
 
 def test_tarjan_finds_a_loop_and_names_it() -> None:
@@ -316,10 +361,3 @@ def test_lazy_packages_resolve_every_exported_name(package: str) -> None:
         assert getattr(module, name) is not None
     with pytest.raises(AttributeError, match="no_such_name"):
         module.no_such_name  # noqa: B018
-
-
-def test_the_manifest_checksum_key_is_one_value() -> None:
-    """layout keeps its own DIGEST (tensorfile, which also has it, loads torch)."""
-    from hpctrain.checkpoint import layout, tensorfile
-
-    assert layout.DIGEST == tensorfile.DIGEST

@@ -31,8 +31,9 @@ import numpy as np
 import pytest
 
 from hpctrain import cli
+from hpctrain.core.atomic import atomic_write_text
 from hpctrain.core.errors import IO_ERRNOS, io_message
-from hpctrain.rundir import atomic_write_text, claim_run_dir
+from hpctrain.core.rundir import claim_run_dir
 from tests import test_bad_inputs
 from tests.test_bad_inputs import REPO, TINY, Outcome, _as_a_fresh_process, _main, _tree
 

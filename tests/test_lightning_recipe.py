@@ -10,6 +10,7 @@ its ranks. Each case: a 2-rank DDP fit with the recipe's callback, SIGUSR1 to th
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -23,7 +24,10 @@ from hpctrain.launch.rank import slurm_view
 from tests.dist_utils import finish_launch, launch_env
 from tests.launch.test_signal_exit import wait_for
 
-pytest.importorskip("lightning.pytorch")
+# Only the recipe's ranks import Lightning (~7 s of CPU): looked up, not imported, so that no pytest
+# worker pays for it while collecting, and the unit test below runs without the extra.
+needs_lightning = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                                     reason="the recipe needs Lightning (the test extra)")
 
 # The recipe (the callback and the plugin, as docs/cluster.md writes them) in a small fit.
 RECIPE = '''
@@ -87,6 +91,7 @@ def test_slurms_variables_follow_torchruns_world() -> None:
     assert slurm_view({"RANK": "0", "WORLD_SIZE": "1"}) == {}  # not under torchrun: nothing to describe
 
 
+@needs_lightning
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["laptop", "srun step"])
 def test_the_lightning_recipe_runs_as_written_under_hpctrain_run(tmp_path: Path, where: str) -> None:

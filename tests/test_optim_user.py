@@ -24,8 +24,8 @@ from hpctrain.config import ConfigError, load_config
 from hpctrain.core.env import ClusterEnv
 from hpctrain.optim import build_optimizer, build_scheduler
 from hpctrain.parallel import unwrap
-from hpctrain.rundir import params_sha256
 from hpctrain.train import build_components, fit, load_data, seed_everything
+from hpctrain.weights.digest import params_sha256
 from tests.dist_utils import train_cases
 from tests.user_models import tiny_mlp
 

@@ -16,7 +16,7 @@ import pytest
 
 from hpctrain.checkpoint import layout
 from hpctrain.config import load_config
-from hpctrain.rundir import MARKER, RunDirError, check_run_dir, resolve_run_dir
+from hpctrain.core.rundir import MARKER, RunDirError, check_run_dir, resolve_run_dir
 from tests import test_bad_inputs
 from tests.test_bad_inputs import Outcome
 

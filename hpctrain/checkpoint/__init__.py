@@ -2,9 +2,12 @@
 wall-clock schedules, preemption signals, automatic bit-exact resume.
 
 layout.py (commit protocol, manifest, retention), checksum.py (the files' checksums,
-``checkpoint.hash``), state.py (what is saved), writer.py
-(how), policy.py (when), preempt.py (signals and outcome), checkpointer.py (the
-trainer's handle), cli.py (``hpctrain ckpt list|verify|export``).
+``checkpoint.hash``), confine.py (reading a checkpoint's files as untrusted input),
+state.py (what is saved), view.py (the checkpoint-view protocol: how model + optimizer
+reach the disk, one class per on-disk format, and the format registry), writer.py (how),
+policy.py (when), preempt.py (signals and outcome), checkpointer.py (the trainer's handle).
+No strategy or format is named here: the views are the parallel layer's
+(:mod:`hpctrain.parallel.checkpoint_formats`), ``hpctrain ckpt`` is :mod:`hpctrain.cli.ckpt`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def __getattr__(name: str) -> Any:
     # Lazy (PEP 562): the config's checkpoint section and `hpctrain ckpt list` live in this
     # package and need no torch; the checkpointer does.
     if name == "Checkpointer":
-        from hpctrain.checkpoint.checkpointer import Checkpointer
+        from hpctrain.checkpoint.checkpointer import Checkpointer  # torch: not on a login node's `ckpt list`
 
         return Checkpointer
     raise AttributeError(f"module 'hpctrain.checkpoint' has no attribute {name!r}")

@@ -11,8 +11,9 @@ strategy. Usable from any loop::
             break
     ckpt.finish(best)
 
-``state["model"]`` is a view from :mod:`hpctrain.parallel.state` (``WholeState(model,
-optimizer)`` for a plain model); ``state["counters"]`` has a ``step``. ``loader`` and ``rng``
+``state["model"]`` is a :class:`~hpctrain.checkpoint.view.CheckpointView` that the strategy
+makes (:mod:`hpctrain.parallel.state`'s ``WholeState(model, optimizer)`` for a plain model);
+it writes and reads model + optimizer in its format; ``state["counters"]`` has a ``step``. ``loader`` and ``rng``
 (added when missing) are saved per rank; every other entry once, by rank 0.
 """
 
@@ -32,33 +33,23 @@ import torch.distributed as dist
 
 from hpctrain.checkpoint import checksum, confine, layout, tensorfile
 from hpctrain.checkpoint.policy import Schedule
-from hpctrain.checkpoint.preempt import EXIT_PREEMPTED, Agreement, Preempted, SignalFlag, record_preempted
-from hpctrain.checkpoint.state import (
-    DEEPSPEED_DIR,
-    REPLICATED,
-    REPLICATED_TENSORS,
-    RNG,
-    SHARDED_DIR,
-    rank_file,
-    restore,
-    snapshot,
-)
+from hpctrain.checkpoint.preempt import EXIT_PREEMPTED, Agreement, Preempted, SignalFlag
+from hpctrain.checkpoint.state import REPLICATED, REPLICATED_TENSORS, RNG, rank_file, restore, snapshot
+from hpctrain.checkpoint.view import CheckpointView, manifest_format, view_class
 from hpctrain.checkpoint.writer import CheckpointWriter, default_group
+from hpctrain.core import protocol as heartbeat
 from hpctrain.core import safe_pickle
+from hpctrain.core.atomic import atomic_write_text, write_json
 from hpctrain.core.env import ClusterEnv
-from hpctrain.core.errors import UserError, agree
-from hpctrain.launch.program import program_signals
-from hpctrain.telemetry import heartbeat
+from hpctrain.core.errors import agree
+from hpctrain.core.protocol import program_signals, record_preempted
+from hpctrain.precision import local_max_abs
 
 if TYPE_CHECKING:
     from hpctrain.config.checkpoint import CheckpointConfig
 
 log = logging.getLogger("hpctrain")
 T = TypeVar("T")
-
-
-class StrategyMismatchError(UserError):
-    """A DeepSpeed checkpoint resumed without DeepSpeed, or another checkpoint resumed under it."""
 
 
 class Checkpointer:
@@ -70,11 +61,13 @@ class Checkpointer:
         c = config
         self.config, self.env, self.device, self.run_dir = c, env, device, Path(run_dir)
         self.state: dict[str, Any] = {"rng": RNG(device), **state}
-        self.view, self.counters = self.state["model"], self.state["counters"]
+        # checkpoint.format picks the view's format where the state can be saved that way
+        self.view: CheckpointView = self.state["model"].for_format(c.format)
+        self.state["model"], self.counters = self.view, self.state["counters"]
         self.root = layout.checkpoints_dir(self.run_dir)
         self.cfg_dict = dict(run_config or {})
-        own = self.view.format == "deepspeed"  # the view saves model + optimizer itself
-        self.format = self.view.format if self.view.format != "torch" else c.format
+        own = not self.view.background  # its save runs collectives on the training process group
+        self.format = self.view.format
         if own and c.mode == "async" and env.is_main:
             log.info("parallel.strategy=%s: checkpoints are saved synchronously (its own save runs collectives on "
                      "the training process group), not checkpoint.mode=async", self.view.strategy)
@@ -180,13 +173,13 @@ class Checkpointer:
         try:
             manifest = layout.read_manifest(path)
             files = manifest["files"]
-            fmt = self._check_format(path, manifest)
+            saved = self._check_format(path, manifest)
             same_world = manifest.get("world_size") == self.env.world_size
-            live = self.view.live_tensors() if fmt == "torch" else None  # a whole model: bytes straight in
+            # a whole model in the replicated files: its bytes go straight into the live tensors
+            live = self.view.live_tensors() if saved.files_dir is None else None
             replicated = load_replicated(path, _named_model(live), files, copies)
             per_rank = copies.read(rank_file(self.env.rank if same_world else 0), lambda p: load_file(p, files))
-            if fmt != "torch":
-                self._verify_sharded(path, files)
+            self._verify_own(path, files, saved)
         except layout.UnreadableCheckpointError:
             raise
         except (layout.CheckpointError, tensorfile.TensorFileError, safe_pickle.UnsafePickleError) as err:
@@ -202,42 +195,27 @@ class Checkpointer:
             return None
         return local / path.name
 
-    def _check_format(self, path: Path, manifest: dict[str, Any]) -> str:
-        """The checkpoint's format (its manifest's, not the config's: a DCP checkpoint loads into a
-        DDP or one-process model, a torch one into FSDP); a DeepSpeed checkpoint needs DeepSpeed at
-        the world size that wrote it, and DeepSpeed needs its own checkpoints. Bad input: raised
-        (every rank alike, before training), not skipped as corrupt."""
-        fmt = str(manifest.get("format", "torch"))
-        if (fmt == "deepspeed") != (self.view.format == "deepspeed"):
-            wrote = "parallel.strategy=deepspeed" if fmt == "deepspeed" else "a strategy other than deepspeed"
-            raise StrategyMismatchError(
-                f"checkpoint {path} has format={fmt} and cannot resume under parallel.strategy="
-                f"{getattr(self.view, 'strategy', '?')}; hint: resume with the strategy that wrote it ({wrote}), or "
-                f"export its weights (`hpctrain ckpt export {path} model.pt`) and start a new run from them")
-        if fmt == "deepspeed":
-            self.view.check_world(int(manifest.get("world_size", 0)), self.env.world_size, path)
-        return fmt
+    def _check_format(self, path: Path, manifest: dict[str, Any]) -> type[CheckpointView]:
+        """The view class of the checkpoint's format (its manifest's, not the config's: a sharded
+        checkpoint may load into a whole model, and the reverse), once the running view says it
+        can load it (the format, the world size that wrote it). Bad input: raised (every rank
+        alike, before training), not skipped as corrupt."""
+        self.view.check_resume(path, manifest, self.env.world_size)
+        return view_class(manifest_format(manifest))
 
-    def _verify_sharded(self, path: Path, files: dict[str, Any]) -> None:
-        """format=dcp / deepspeed: DCP (DeepSpeed) reads its files itself, so they are hashed
-        before it does (two passes); each rank takes a share of the files."""
-        names = sorted(n for n in files if n.startswith((f"{SHARDED_DIR}/", f"{DEEPSPEED_DIR}/")))
-        mine = names[self.env.rank :: self.env.world_size]
+    def _verify_own(self, path: Path, files: dict[str, Any], saved: type[CheckpointView]) -> None:
+        """A format's own files are read by its own reader, so they are hashed (and checked by
+        the view class) before it does (two passes); each rank takes a share of the files."""
+        mine = saved.own_files(files)[self.env.rank :: self.env.world_size]
         for name in mine:  # only regular files inside the checkpoint, read no further than their size
             _check_entry(path / name, files[name], lambda file, algorithm: layout.hash_file(file, algorithm, path))
-        if (path / SHARDED_DIR / ".metadata").exists():  # the items of this rank's share of the files, too
-            check_dcp_metadata(path / SHARDED_DIR, {n.split("/", 1)[1] for n in mine if n.startswith(SHARDED_DIR)})
+        if saved.files_dir is not None:
+            saved.check_files(path, set(mine))  # what a checksum cannot vouch for (a pickle's contents)
 
     def _restore(self, path: Path, loaded: tuple[dict[str, Any], dict[str, Any]]) -> None:
         replicated, per_rank = loaded
-        fmt = layout.read_manifest(path).get("format")
-        if fmt == "dcp":
-            self.view.load_sharded(str(path / SHARDED_DIR), self.group)  # DCP exchanges its own errors
-        elif fmt == "deepspeed":
-            agree(f"loading DeepSpeed's state of {path}", lambda: self.view.load(path / DEEPSPEED_DIR))
-        elif "model" in replicated and self.view.live_tensors() is None:  # e.g. a DDP checkpoint resumed under FSDP
-            replicated = agree(f"loading the whole state of {path} into this rank's shards",
-                               lambda: _whole_into_view(self.view, replicated, path))
+        manifest = layout.read_manifest(path)
+        replicated = self.view.load(path, manifest, replicated, self.group)  # model + optimizer; agreed in there
         self.best = agree(f"restoring checkpoint {path}", lambda: restore(
             self.state, replicated, per_rank, self.env, self.cfg_dict, source=path))
         self.resumed_from = path
@@ -283,7 +261,7 @@ class Checkpointer:
         self._settle()  # the save in flight commits (or raises) before the next starts; best.json follows it
         if not self._weights_finite(step):
             return  # never written, so never best, and retention keeps the last finite checkpoint
-        snap = snapshot(self.state, self.env, self.cfg_dict, best, self.format)
+        snap = snapshot(self.state, self.env, self.cfg_dict, best)
         snap.info["finite"] = True  # checked: retention never deletes the newest checkpoint so marked
         if best.get("step") == step:
             snap.info["best"] = dict(best)
@@ -299,13 +277,9 @@ class Checkpointer:
         """Are the model's parameters and buffers finite on every rank? One pass over this rank's
         tensors (its shards) per save, and with several ranks one small all-reduce on the loop's
         agreement group, so every rank skips (or saves) alike. False is logged (rank 0)."""
-        module = getattr(self.view, "model", None)
-        if module is None:
-            module = getattr(self.view, "engine", None)
+        module = self.view.checked_module()
         if not isinstance(module, torch.nn.Module):
             return True  # a view that holds no module of its own: nothing to check
-        from hpctrain.precision import local_max_abs
-
         tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
         largest = local_max_abs(tensors).cpu().reshape(1)
         if self.agree.distributed:
@@ -342,8 +316,6 @@ class Checkpointer:
             self._best_pending = pending  # its save has not started yet (note_best before save)
             return
         if self.env.is_main:
-            from hpctrain.rundir import write_json
-
             write_json(self.root / layout.BEST_FILE, {**pending, "checkpoint": name})
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -404,13 +376,6 @@ class Checkpointer:
         return self.env.distributed and dist.is_initialized()
 
 
-def _whole_into_view(view: Any, replicated: dict[str, Any], source: Path) -> dict[str, Any]:
-    """A whole (format=torch) model and optimizer loaded into a view that holds shards; returns
-    ``replicated`` without them (restore() then puts back the rest)."""
-    view.load_state_dict({"model": replicated["model"], "optimizer": replicated["optimizer"]}, source)
-    return {k: v for k, v in replicated.items() if k not in ("model", "optimizer")}
-
-
 def _named_model(live: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
     """The model's live tensors under the names the replicated file gives them."""
     return tensorfile.split({"model": live})[1] if live is not None else None
@@ -461,7 +426,7 @@ def load_replicated(path: Path, into: dict[str, torch.Tensor] | None = None,
     if not tensors_file.is_file():
         if files is not None and REPLICATED_TENSORS in files:
             raise layout.CheckpointError(f"{tensors_file}: missing")
-        return skeleton  # nothing but small values (format=dcp keeps model and optimizer apart)
+        return skeleton  # nothing but small values (a view with files of its own keeps model and optimizer there)
     tensors = copies.read(REPLICATED_TENSORS, lambda p: _read_tensors(p, into, files))
     return tensorfile.join(skeleton, tensors)
 
@@ -544,8 +509,6 @@ def _trim_metrics(path: Path, step: int) -> None:
     """Rows logged after the checkpoint will be logged again by the resumed run."""
     if not path.is_file():
         return
-    from hpctrain.rundir import atomic_write_text
-
     keep = []
     for line in path.read_text().splitlines():
         try:
@@ -555,19 +518,3 @@ def _trim_metrics(path: Path, step: int) -> None:
             continue  # a line cut by the crash
         keep.append(line)
     atomic_write_text(path, "".join(f"{line}\n" for line in keep))
-
-
-def check_dcp_metadata(path: Path, items: set[str] | None = None) -> None:
-    """DCP's ``.metadata`` is a pickle that a consistent manifest does not make harmless: read it
-    with only DCP's own classes admitted, then check the items (each a torch.save zip) of the
-    files named in ``items`` (None: all) against safe_pickle's limits; a refusal makes the
-    checkpoint corrupt (skipped by ``resume=auto``), never code that runs."""
-    from hpctrain.checkpoint import dcp_read
-    from hpctrain.core.safe_pickle import UnsafePickleError
-
-    try:
-        dcp_read.check_items(path, dcp_read.read_metadata(path), items)
-    except UnsafePickleError as err:
-        raise layout.CheckpointError(str(err)) from err
-    except OSError as err:
-        raise layout.unreadable(Path(err.filename) if err.filename else path / ".metadata", err) from err

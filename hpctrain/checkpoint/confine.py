@@ -15,10 +15,15 @@ from __future__ import annotations
 import errno
 import io
 import os
-import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+from hpctrain.core import safe_open
 from hpctrain.core.errors import RunError
+from hpctrain.core.safe_open import NotRegularError, TooLargeError, UnsafeFileError
+
+T = TypeVar("T")
 
 # Files read whole into memory (manifest, torch.save skeleton, per-rank state, DCP metadata) are
 # small: a skeleton holds names instead of tensors, a rank file RNG states and a loader position.
@@ -51,17 +56,18 @@ def member(root: Path, name: object) -> Path:
     return Path(root) / name
 
 
-def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
-        if test(mode):
-            return what
-    return "special file"
-
-
 def _inside(path: Path, root: Path) -> bool:
     real, base = os.path.realpath(path), os.path.realpath(root)
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def _refused(err: UnsafeFileError, what: str = "file") -> RefusedFileError:
+    if isinstance(err, NotRegularError):
+        return RefusedFileError(f"{err.path} is a {err.kind}, not a regular file: refused; {_HINT}")
+    if isinstance(err, TooLargeError):
+        return RefusedFileError(f"{err.path} holds {err.size:,} bytes, more than the {err.limit:,} a checkpoint's "
+                                f"{what} ever holds: refused before reading; {_HINT}")
+    return RefusedFileError(f"{err}: refused; {_HINT}")
 
 
 def check_regular(path: Path, root: Path | None = None) -> int:
@@ -71,17 +77,21 @@ def check_regular(path: Path, root: Path | None = None) -> int:
     if root is not None and not _inside(path, root):
         raise RefusedFileError(f"{path} leads outside the checkpoint directory {root} (a symlink, or a path "
                                f"through one): refused; {_HINT}")
+    return _safely(lambda: safe_open.check_regular(path), path)
+
+
+def _safely(call: Callable[[], T], path: Path, what: str = "file") -> T:
+    """``call()`` with :mod:`hpctrain.core.safe_open`'s failures as this module's errors."""
     try:
-        st = os.stat(path)
+        return call()
     except FileNotFoundError:
         raise MissingFileError(f"{path}: missing") from None
+    except UnsafeFileError as err:
+        raise _refused(err, what) from None
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise RefusedFileError(f"{path} is a symlink loop: refused; {_HINT}") from None
         raise
-    if not stat.S_ISREG(st.st_mode):
-        raise RefusedFileError(f"{path} is a {_kind(st.st_mode)}, not a regular file: refused; {_HINT}")
-    return st.st_size
 
 
 def open_regular(path: Path, root: Path | None = None) -> tuple[io.FileIO, int]:
@@ -89,36 +99,14 @@ def open_regular(path: Path, root: Path | None = None) -> tuple[io.FileIO, int]:
     :func:`check_regular` passed. Opened non-blocking and checked again on the descriptor:
     a FIFO or device swapped in after the check is refused, never waited on."""
     check_regular(path, root)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RefusedFileError(f"{path} is a {_kind(st.st_mode)}, not a regular file: refused; {_HINT}")
-        os.set_blocking(fd, True)  # a regular file: reads behave as usual
-    except BaseException:
-        os.close(fd)
-        raise
-    return io.FileIO(fd, "r", closefd=True), st.st_size
+    return _safely(lambda: safe_open.open_regular(path), path)
 
 
 def read_whole(path: Path, root: Path | None = None, limit: int = MAX_WHOLE, what: str = "file") -> bytes:
     """All bytes of a small file, refused (before a byte is read) when larger than ``limit``.
     At most its ``fstat`` size is read: a file that grows meanwhile cannot make it read on."""
-    fh, size = open_regular(path, root)
-    with fh:
-        if size > limit:
-            raise RefusedFileError(f"{path} holds {size:,} bytes, more than the {limit:,} a checkpoint's {what} "
-                                   f"ever holds: refused before reading; {_HINT}")
-        return read_at_most(fh, size)
+    check_regular(path, root)
+    return _safely(lambda: safe_open.read_regular(path, limit=limit), path, what)
 
 
-def read_at_most(fh: io.FileIO, size: int) -> bytes:
-    """Up to ``size`` bytes of ``fh`` (fewer where it ends sooner)."""
-    chunks, left = [], size
-    while left > 0:
-        chunk = fh.read(min(left, 16 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+read_at_most = safe_open.read_at_most  # callers' name for the bounded read

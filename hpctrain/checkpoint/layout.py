@@ -35,20 +35,18 @@ from hpctrain._version import __version__
 from hpctrain.checkpoint import checksum, confine
 from hpctrain.checkpoint.checksum import Algorithm
 from hpctrain.checkpoint.confine import CheckpointError
+from hpctrain.core.atomic import atomic_write_text, replace_durably
 from hpctrain.core.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, UserError
-from hpctrain.rundir import BEST_FILE, atomic_write_text, replace_durably
+from hpctrain.core.rundir import BEST_FILE
 
 log = logging.getLogger("hpctrain")
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 PARTIAL_PREFIX = ".partial-"
-# The manifest key of checkpoints written before checkpoint.hash existed; tensorfile.DIGEST says the
-# same (tests/test_imports.py checks both). Every algorithm's key: checksum.ALGORITHMS.
-DIGEST = checksum.SHA256_KEY
 _NAME = re.compile(r"^step-(\d{9,})$")
 _STEP_IN_NAME = re.compile(r"step-(\d{9,})$")  # step-N, .partial-step-N, superseded-step-N
-_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")  # rundir.atomic_open's temporary files
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")  # core.atomic.atomic_open's temporary files
 UNCOMMITTED_PREFIX = "uncommitted-"
 
 

@@ -23,25 +23,26 @@ the keeping can start before it.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hpctrain.core.env import ClusterEnv
+from hpctrain.config.checkpoint import CheckpointConfig
+from hpctrain.core.env import ClusterEnv, detect
 from hpctrain.core.errors import EXIT_PREEMPTED
-from hpctrain.launch.rank import OUTCOME_ENV, named_peer_failure
+from hpctrain.core.protocol import (
+    RELAY_ENV,
+    forwarded_signals,
+    named_peer_failure,
+    program_signals,
+    record_preempted,
+)
 
-STATUS = "status.json"
-# A signal the launcher kept before its ranks existed: they inherit its name and honour it.
-RELAY_ENV = "HPCTRAIN_PREEMPTED_BY"
 log = logging.getLogger("hpctrain")
 _kept: int | None = None  # the first preemption signal keep_signals recorded and no SignalFlag took over yet
 
@@ -198,8 +199,6 @@ def children_shielded() -> Iterator[None]:
     it had come now: the trainer's flag saves after the first step and exits 3. Under a plain
     torchrun, which leaves no note, a signal during the build is lost (the build is not).
     Main thread only (handlers can be set nowhere else)."""
-    from hpctrain.launch.rank import forwarded_signals
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -240,58 +239,6 @@ class Agreement:
         return bool(self._buf[0]), bool(self._buf[1])
 
 
-# ---------------------------------------------------------------- outcome
-
-
-def write_status(run_dir: Path, outcome: str, **extra: Any) -> None:
-    from hpctrain.rundir import write_json
-
-    write_json(Path(run_dir) / STATUS, {"outcome": outcome, "time": time.time(), **extra})
-
-
-def read_status(run_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((Path(run_dir) / STATUS).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def exit_code(outcome: str | None) -> int:
-    return EXIT_PREEMPTED if outcome == "preempted" else 0
-
-
-def launcher_exit_code(cfg: Any, code: int, since: float) -> int:
-    """``hpctrain run``: torchrun reports a worker's exit 3 (or its own SIGTERM) as a
-    failure; the run directory's status file, written after ``since``, tells a
-    preemption apart from a crash."""
-    from hpctrain.rundir import resolve_run_dir
-
-    status = read_status(resolve_run_dir(cfg.run.dir, cfg))
-    if status.get("outcome") == "preempted" and status.get("time", 0.0) >= since:
-        return EXIT_PREEMPTED
-    return code
-
-
-# ---------------------------------------------------------------- any program under hpctrain run
-
-# `hpctrain run` gives its ranks a node-local directory (OUTCOME_ENV, defined with the rest of
-# the launcher <-> rank protocol in hpctrain.launch.rank); a rank that saved for a preemption
-# records it there, so the launcher can say 3 for any program, not only for hpctrain train.
-
-
-def record_preempted(environ: dict[str, str] | None = None) -> None:
-    """Tell ``hpctrain run`` this rank saved for a preemption and is about to exit 3."""
-    env = os.environ if environ is None else environ
-    directory = env.get(OUTCOME_ENV)
-    if directory:
-        Path(directory, f"rank-{env.get('RANK', '0')}").write_text("preempted")
-
-
-def all_preempted(directory: Path, nproc: int) -> bool:
-    """Did every one of this node's ``nproc`` ranks record a preemption?"""
-    return len([p for p in directory.glob("rank-*") if p.read_text() == "preempted"]) >= nproc
-
-
 class Preemption:
     """"Save, then exit 3" for any loop, in a few lines::
 
@@ -307,9 +254,6 @@ class Preemption:
 
     def __init__(self, signals: Iterable[str] | None = None, every: int = 1) -> None:
         if signals is None:  # hpctrain slurm --signal's choice, else checkpoint.signals' default
-            from hpctrain.config.checkpoint import CheckpointConfig
-            from hpctrain.launch.program import program_signals
-
             signals = program_signals(CheckpointConfig().signals)
         self.flag = SignalFlag(list(signals))
         self.flag.install()
@@ -319,8 +263,6 @@ class Preemption:
     def agreed(self, step: int) -> bool:
         """True on every rank at the same step once any rank got a preemption signal."""
         if self._agreement is None:
-            from hpctrain.core.env import detect
-
             self._agreement = Agreement(detect(), None, self._every)
         seen, _ = self._agreement(step, self.flag.requested, False)
         return seen

@@ -3,8 +3,9 @@
 Replicated state (identical on every DDP rank; rank 0 writes it): model, optimizer, LR
 scheduler, GradScaler, counters, best validation so far, the config and its fingerprint.
 Per-rank state (every rank writes its own): RNG states (python, numpy, torch CPU, CUDA)
-and the training loader's position. With ``checkpoint.format=dcp`` model and optimizer
-go through torch.distributed.checkpoint instead, every rank writing its own shard.
+and the training loader's position. Model and optimizer come from the strategy's
+:class:`~hpctrain.checkpoint.view.CheckpointView`: whole into the replicated files, or
+files of the view's own format, every rank its share.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ class CheckpointMismatchError(UserError):
 
 REPLICATED = "replicated.pt"                   # the state tree, tensors replaced by names
 REPLICATED_TENSORS = "replicated.safetensors"  # their bytes (see tensorfile.py)
-SHARDED_DIR = "sharded"
-DEEPSPEED_DIR = "deepspeed"  # format=deepspeed: DeepSpeed's own checkpoint files (engine.save_checkpoint)
 
 
 def rank_file(rank: int) -> str:
@@ -47,9 +46,9 @@ class Snapshot:
     step: int
     replicated: dict[str, Any] | None   # rank 0 only
     per_rank: dict[str, Any]
-    sharded: dict[str, Any] | None      # format=dcp: model + optimizer, on every rank
+    own_state: Any                       # the view's own_state(): what view.write() writes, on every rank
     info: dict[str, Any]                 # goes into the manifest
-    own: Any = None                      # format=deepspeed: the view that saves model + optimizer itself
+    view: Any = None                     # the CheckpointView that writes its own files (None: it has none)
 
 
 # ---------------------------------------------------------------- config fingerprint
@@ -149,40 +148,38 @@ class RNG:
 
 
 def snapshot(state: Mapping[str, Any], env: ClusterEnv, cfg_dict: dict[str, Any],
-             best: dict[str, Any], fmt: str) -> Snapshot:
+             best: dict[str, Any]) -> Snapshot:
     """References to the live state (no copies): a sync save serializes them right away,
     an async save stages them first (see writer.Stager). ``state``: Stateful objects by name;
-    ``state["model"]`` is the strategy's view of model + optimizer (hpctrain.parallel.state),
-    ``state["counters"]`` has the ``step``. ``fmt``: torch (rank 0 writes model and optimizer
-    whole), dcp (every rank its shards), deepspeed (the view saves itself, every rank)."""
+    ``state["model"]`` is the strategy's :class:`~hpctrain.checkpoint.view.CheckpointView` of
+    model + optimizer (its format is the manifest's), ``state["counters"]`` has the ``step``."""
     view = state["model"]
     counters = state["counters"].state_dict()
     per_rank = {"rank": env.rank, "world_size": env.world_size, "counters": counters,
                 **{name: state[name].state_dict() for name in PER_RANK if state.get(name) is not None}}
-    # every rank, every format: buffers made rank 0's (one consistent copy; DCP would otherwise write
-    # each replicated buffer from whichever rank it balances the load to), ZeRO-1's optimizer consolidated
+    # every rank, every format: buffers made rank 0's (one consistent copy; a sharded save would otherwise
+    # write each replicated buffer from whichever rank it balances the load to), a split optimizer consolidated
     view.gather()
-    sharded = view.sharded_state_dict() if fmt == "dcp" else None
+    own_state = view.own_state()
     replicated = None
     if env.is_main:
         replicated = {name: (obj.state_dict() if obj is not None else None) for name, obj in state.items()
                       if name != "model" and name not in PER_RANK}
         replicated.update({"best": dict(best), "config": cfg_dict, "config_sha256": config_fingerprint(cfg_dict)})
-        if fmt == "torch":
-            replicated.update(view.state_dict())
-    info = {**counters, "world_size": env.world_size, "format": fmt, "config_sha256": config_fingerprint(cfg_dict)}
-    return Snapshot(counters["step"], replicated, per_rank, sharded, info, view if fmt == "deepspeed" else None)
+        replicated.update(view.whole_state())
+    info = {**counters, "world_size": env.world_size, "format": view.format,
+            "config_sha256": config_fingerprint(cfg_dict)}
+    return Snapshot(counters["step"], replicated, per_rank, own_state, info, view if view.files_dir else None)
 
 
 def restore(state: Mapping[str, Any], replicated: dict[str, Any], per_rank: dict[str, Any], env: ClusterEnv,
             cfg_dict: dict[str, Any], source: Any = None) -> dict[str, Any]:
-    """Put a checkpoint back into ``state``; returns the saved ``best`` record.
+    """Put a checkpoint back into ``state``, all but model + optimizer (the view's ``load`` put
+    them back); returns the saved ``best`` record.
 
     ``per_rank`` is this rank's file, or rank 0's when the world size changed: then the
     loader gets rank 0's position (a resharding loader can map it) and RNG keeps seed + rank.
     """
-    if "model" in replicated:
-        state["model"].load_state_dict({"model": replicated["model"], "optimizer": replicated["optimizer"]}, source)
     for name, obj in state.items():
         if obj is None or name == "model":
             continue

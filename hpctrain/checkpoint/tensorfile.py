@@ -40,8 +40,6 @@ _DTYPES = {
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _TAG = "__tensor__"
 _local = threading.local()
-# The manifest key of checkpoints written before checkpoint.hash existed (layout.DIGEST too).
-DIGEST = checksum.SHA256_KEY
 
 
 class TensorFileError(RunError):

@@ -36,16 +36,9 @@ import torch.distributed as dist
 
 from hpctrain.checkpoint import checksum, layout, tensorfile
 from hpctrain.checkpoint.checksum import Algorithm
-from hpctrain.checkpoint.state import (
-    DEEPSPEED_DIR,
-    REPLICATED,
-    REPLICATED_TENSORS,
-    SHARDED_DIR,
-    Snapshot,
-    rank_file,
-)
+from hpctrain.checkpoint.state import REPLICATED, REPLICATED_TENSORS, Snapshot, rank_file
 from hpctrain.core.env import ClusterEnv
-from hpctrain.parallel.wrappers import is_dtensor, local_part
+from hpctrain.core.modules import is_dtensor, local_part
 
 log = logging.getLogger("hpctrain")
 
@@ -87,7 +80,7 @@ class Stager:
         return copy.deepcopy(obj)
 
     def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
-        if is_dtensor(tensor):  # a shard (FSDP, TP): stage this rank's part, keep its place
+        if is_dtensor(tensor):  # a shard: stage this rank's part, keep its place
             from torch.distributed.tensor import DTensor
 
             local = self._copy(local_part(tensor).detach(), path)
@@ -172,8 +165,8 @@ class CheckpointWriter:
         async mode copies them in the writer thread instead of in the loop."""
         start = time.perf_counter()
         self.wait()
-        # DeepSpeed's save runs collectives on the training process group: in this thread only
-        in_background = self.mode == "async" and not blocking and snap.own is None
+        # a view whose save runs collectives on the training process group writes in this thread only
+        in_background = self.mode == "async" and not blocking and (snap.view is None or snap.view.background)
         if in_background:
             snap = _stage(snap, self._stager, defer)
             if defer:
@@ -293,7 +286,7 @@ class CheckpointWriter:
         try:
             partial.mkdir(parents=True, exist_ok=True)
             for name, entry in written.files.items():
-                (partial / name).parent.mkdir(parents=True, exist_ok=True)  # sharded/, deepspeed/state/
+                (partial / name).parent.mkdir(parents=True, exist_ok=True)  # a view's own subdirectories
                 copied = _copy_file(written.where / name, partial / name, checksum.of_entry(entry))
                 if checksum.mismatch(entry, copied, partial / name):
                     raise layout.CheckpointError(f"{partial / name}: copy differs from {written.where / name}")
@@ -312,10 +305,8 @@ def write_files(snap: Snapshot, target: Path, env: ClusterEnv, group: Any,
     with ``algorithm`` (default: checkpoint.hash's default)."""
     algorithm = algorithm or checksum.resolve(checksum.DEFAULT)
     files = {}
-    if snap.sharded is not None:
-        files.update(_write_sharded(snap.sharded, target / SHARDED_DIR, env, group, algorithm))
-    if snap.own is not None:
-        files.update(_write_own(snap.own, target, env, algorithm))
+    if snap.view is not None:
+        files.update(_write_own(snap, target, env, group, algorithm))
     if snap.replicated is not None:
         skeleton, tensors = tensorfile.split(snap.replicated)
         files[REPLICATED_TENSORS] = tensorfile.write(target / REPLICATED_TENSORS, tensors, algorithm)
@@ -324,27 +315,12 @@ def write_files(snap: Snapshot, target: Path, env: ClusterEnv, group: Any,
     return files
 
 
-def _write_sharded(state: dict[str, Any], directory: Path, env: ClusterEnv, group: Any,
-                   algorithm: Algorithm) -> dict[str, dict[str, Any]]:
-    import torch.distributed.checkpoint as dcp
-
-    directory.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True), process_group=group,
-             no_dist=group is None and not dist.is_initialized())
-    mine = [p for p in directory.iterdir() if p.name.startswith(f"__{env.rank}_")]
-    if env.is_main:
-        mine += [p for p in directory.iterdir() if p.name == ".metadata"]
-    return {f"{SHARDED_DIR}/{p.name}": layout.hash_file(p, algorithm) for p in sorted(mine)}
-
-
-def _write_own(view: Any, target: Path, env: ClusterEnv, algorithm: Algorithm) -> dict[str, dict[str, Any]]:
-    """format=deepspeed: the view's own save (DeepSpeed's: every rank its ZeRO partitions, rank 0
-    also the module and the scheduler) into ``target/deepspeed``; each rank lists, fsyncs and
-    hashes the files it wrote (DeepSpeed's torch.save does not fsync)."""
-    directory = target / DEEPSPEED_DIR
-    view.save(directory)  # a collective that ends in a barrier: every rank's files are complete
+def _write_own(snap: Snapshot, target: Path, env: ClusterEnv, group: Any,
+               algorithm: Algorithm) -> dict[str, dict[str, Any]]:
+    """The view's own files (every rank its share, a collective allowed) under ``target``; each
+    rank fsyncs and hashes the files it wrote (a view's own writer need not fsync)."""
     files = {}
-    for path in view.files(directory, env.rank):
+    for path in snap.view.write(snap.own_state, target, env.rank, group):
         fsync_file(path)
         files[path.relative_to(target).as_posix()] = layout.hash_file(path, algorithm)
     return files
@@ -363,8 +339,9 @@ def _stage(snap: Snapshot, stager: Stager | None, defer: set[int] | None = None)
         return stager.stage(tree, defer) if stager is not None else to_cpu(tree)
 
     replicated = move(snap.replicated) if snap.replicated is not None else None
-    sharded = snap.sharded if stager is None else (move(snap.sharded) if snap.sharded is not None else None)
-    return replace(snap, replicated=replicated, per_rank=move(snap.per_rank), sharded=sharded)
+    # a view's own state is written as it is (its save copies what it needs), staged only for an async save
+    own = snap.own_state if stager is None or snap.own_state is None else move(snap.own_state)
+    return replace(snap, replicated=replicated, per_rank=move(snap.per_rank), own_state=own)
 
 
 def _gather(obj: Any, group: Any, env: ClusterEnv) -> list[Any]:

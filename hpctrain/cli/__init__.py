@@ -10,13 +10,14 @@ import sys
 import textwrap
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from hpctrain.checkpoint.preempt import keep_signals, start_up_signals
+from hpctrain.config import Config, config_from_args, key_names, reference_markdown, to_yaml
 from hpctrain.core.env import detect, started_a_group
-from hpctrain.core.errors import EXIT_RUN_FAILED, IO_ERRNOS, HpctrainError, io_error, user_code_error
-
-if TYPE_CHECKING:
-    from hpctrain.config import Config
+from hpctrain.core.errors import EXIT_RUN_FAILED, IO_ERRNOS, HpctrainError, UserError, io_error, user_code_error
+from hpctrain.core.protocol import exit_code
+from hpctrain.launch.rank import start_rank
+from hpctrain.telemetry.loggers import configure_logging
 
 # Every subcommand in `hpctrain --help` order: the module whose add_parser(sub) registers it,
 # and its line in that list. Only the invoked command's module is imported (a module may
@@ -35,26 +36,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("hpctrain.cli.data", "pack data into tar shards (WebDataset layout), verify, inspect"),
     "estimate": ("hpctrain.cli.estimate", "size a training run: FLOPs and time, memory per GPU by strategy, "
                                           "checkpoint cost, Young-Daly interval"),
-    "plan": ("hpctrain.parallel.auto", "choose strategy, tp, pp, activation checkpointing and micro-batch "
-                                       "(parallel.strategy=auto) and print why, without training"),
-    "report": ("hpctrain.telemetry.report", "summary table and plots of one or more runs (--html: one page)"),
+    "plan": ("hpctrain.cli.plan", "choose strategy, tp, pp, activation checkpointing and micro-batch "
+                                  "(parallel.strategy=auto) and print why, without training"),
+    "report": ("hpctrain.cli.report", "summary table and plots of one or more runs (--html: one page)"),
     "bench": ("hpctrain.cli.bench", "the workshop's benchmarks, one command each: table, JSON and PNG"),
 }
 
 
 def _config(args: argparse.Namespace) -> Config:
-    from hpctrain.config import config_from_args  # here: it loads every section's module, few commands need it
-
     return config_from_args(args.config_args)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hpctrain.checkpoint.preempt import exit_code, keep_signals, start_up_signals
-
     cfg = _config(args)  # no torch yet: during its import (seconds) a preemption signal would end the rank
     keep_signals(start_up_signals(cfg.checkpoint))  # kept instead, and honoured after the first step
-    from hpctrain.launch.rank import start_rank
-    from hpctrain.train import train
+    from hpctrain.train import train  # torch: after keep_signals, and never for a login node's commands
 
     start_rank()  # a rank of torchrun / `hpctrain run` ends with its launcher and beats for its watchdog
 
@@ -70,8 +66,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from hpctrain.evaluation.job import run_eval
-    from hpctrain.launch.rank import start_rank
+    from hpctrain.evaluation.job import run_eval  # torch: only the eval command loads it
 
     start_rank()
 
@@ -80,11 +75,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from hpctrain.config import reference_markdown, to_yaml
-
     if args.action == "doc":
-        from hpctrain.core.errors import UserError
-
         if len(args.config_args) > 1:
             raise UserError(f"config doc takes at most one SECTION, got {' '.join(args.config_args)}; "
                             "hint: hpctrain config doc optim")
@@ -95,7 +86,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from hpctrain.models import REGISTRY, build_model, count_parameters
+    from hpctrain.models import REGISTRY, build_model, count_parameters  # torch: only this command builds models
 
     print(f"{'name':<12} {'parameters':>12}  {'input':<12} description")
     for name, spec in REGISTRY.items():
@@ -113,8 +104,6 @@ def _add_train(p: argparse.ArgumentParser) -> None:
 
 def _keys_epilog() -> str:
     """``train --help``'s list of keys (imports every config section: only for that command)."""
-    from hpctrain.config import key_names
-
     lines = ["config keys (a YAML file, then key=value overrides; the command line wins):"]
     for section, keys in key_names().items():
         text = f"{section or 'top level'}: " + ", ".join(f"{section}.{k}" if section else k for k in keys)
@@ -178,13 +167,15 @@ def _setup_logging() -> None:
         is_main = detect().is_main
     except RuntimeError:
         is_main = True
-    from hpctrain.telemetry.loggers import configure_logging  # hpctrain's lines, not other libraries' import noise
+    configure_logging(is_main)  # hpctrain's lines, not other libraries' import noise
 
-    configure_logging(is_main)
+
+EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports when a command's reader left (`yes | head -1`)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 ok, 1 failed run, 2 bad input, 3 preempted (requeue), 130 interrupted.
+    """Exit codes: 0 ok, 1 failed run, 2 bad input, 3 preempted (requeue), 130 interrupted,
+    141 stdout's reader went away (`hpctrain estimate ... | head -1`: quiet, as a shell's own tools).
 
     Every deliberate error is an :class:`HpctrainError`: one line naming the culprit, no
     traceback. Anything else is a bug (in hpctrain, or in user code it called): a first line
@@ -192,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         _setup_logging()  # inside: a malformed launcher variable is an input error too
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader that left is then seen below, not as a bug
+        return code
+    except BrokenPipeError:  # before OSError: the reader closed the pipe, nothing is wrong with the command
+        return _reader_gone(whole_process=argv is None)
     except HpctrainError as err:  # every deliberate error: a message and its exit code
         _say(f"hpctrain {args.command}: error: {err}")
         return _leave(err.exit_code, whole_process=argv is None)
@@ -207,6 +202,19 @@ def main(argv: list[str] | None = None) -> int:
         return _leave(known.exit_code, whole_process=argv is None)
     except Exception as err:  # noqa: BLE001 - a bug: say so first, then show where
         return _internal_error(args.command, err, whole_process=argv is None)
+
+
+def _reader_gone(whole_process: bool) -> int:
+    """Stop quietly. For the whole process, stdout is pointed at /dev/null first: Python flushes it
+    again on the way out, and that write would print 'Exception ignored ... BrokenPipeError'."""
+    if whole_process:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # no file descriptor behind sys.stdout: nothing will be flushed to one
+            pass
+    return EXIT_PIPE
 
 
 def _say(line: str) -> None:

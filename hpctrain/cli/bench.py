@@ -1,21 +1,27 @@
-"""``hpctrain bench NAME [--quick] [--out DIR]``: run one case, print its table, write JSON and PNG."""
+"""``hpctrain bench NAME [--quick] [--out DIR] [--from DIR]``: run one case, print its table, write
+JSON and PNG.
+
+The cases are workshop demos, not part of the installed package: they live in a source
+checkout's ``benchmarks/bench/`` (beside the other benchmark scripts) and are found there,
+next to an editable install, or where ``--from`` / ``HPCTRAIN_BENCH_DIR`` point.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
-import shutil
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
-from hpctrain.bench.context import Context
-from hpctrain.bench.hardware import describe, one_line
-from hpctrain.bench.output import check_matplotlib, fmt, table, write_json, write_png
 from hpctrain.core.errors import UserError
 
-# name -> what it measures; each name is a module of this package with run(Context) -> BenchResult
+BENCH_DIR_ENV = "HPCTRAIN_BENCH_DIR"
+# An editable install (pip install -e .) runs this file from the checkout: its benchmarks/ is here.
+_BESIDE_PACKAGE = Path(__file__).resolve().parents[2] / "benchmarks"
+
+# name -> what it measures; each name is a module of benchmarks/bench/ with run(Context) -> BenchResult
 CASES = {
     "baseline": "simple_cnn samples/s in one process: hpctrain's loop and a plain PyTorch loop",
     "scaling": "1..N processes: speed-up and efficiency of hpctrain and of a plain torch DDP loop, same run",
@@ -40,7 +46,23 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--procs", type=int,
                    help="scaling, strategies: the most processes (default: the GPUs, else the CPU cores)")
     p.add_argument("--repeats", type=int, help="runs per point, in alternating order (default: per case)")
+    p.add_argument("--from", dest="bench_dir", metavar="DIR",
+                   help=f"a source checkout (or its benchmarks/ folder) holding the cases (default: ${BENCH_DIR_ENV}, "
+                        "else the checkout of an editable install)")
     p.set_defaults(func=cmd_bench)
+
+
+def find_bench_dir(given: str | None = None) -> Path:
+    """The folder holding the ``bench`` package: ``given`` (``--from``), else ``$HPCTRAIN_BENCH_DIR``,
+    else the checkout this hpctrain runs from. Each may name the checkout or its ``benchmarks/``."""
+    named = given or os.environ.get(BENCH_DIR_ENV)
+    for folder in ([Path(named)] if named else [_BESIDE_PACKAGE]):
+        for candidate in (folder, folder / "benchmarks"):
+            if (candidate / "bench" / "__init__.py").is_file():
+                return candidate.resolve()
+    where = f"{named} holds no bench/ package" if named else "this hpctrain is installed without its source checkout"
+    raise UserError(f"hpctrain bench needs a source checkout ({where}); hint: git clone the repository and "
+                    f"pip install -e . there, or pass --from CHECKOUT (or set {BENCH_DIR_ENV}=CHECKOUT)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -48,37 +70,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag} {value}: must be 1 or more")
-    check_matplotlib()
-    case = importlib.import_module(f"hpctrain.bench.{args.name}")
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"hpctrain bench: cannot create --out {out}: {err}") from None
-    hardware = describe()
-    print(f"hpctrain bench {args.name} on {one_line(hardware)}", flush=True)
-    work = out / f"{args.name}-work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    start = time.perf_counter()
-    try:
-        result = case.run(Context(quick=args.quick, work=work, procs=args.procs, repeats=args.repeats))
-    except UserError:  # refused before measuring (e.g. a strategy this hpctrain lacks): nothing to keep
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    shutil.rmtree(work, ignore_errors=True)  # kept after a failed run: the runs' logs are the evidence
-    seconds = time.perf_counter() - start
-    hardware["load_avg_1m_end"] = os.getloadavg()[0]
-    print(f"\n{result.title}\n\n{table(result)}\n")
-    for key, value in result.summary.items():
-        print(f"{key}: {fmt(value)}")
-    for note in result.notes:
-        print(f"note: {note}")
-    json_path, png_path = out / f"{args.name}.json", out / f"{args.name}.png"
-    write_json(json_path, args.name, result, hardware, _command(args), seconds)
-    write_png(png_path, result, hardware)
-    print(f"\nwrote {json_path} and {png_path} ({seconds:.0f} s)")
-    return 0
+    bench_dir = find_bench_dir(args.bench_dir)
+    if str(bench_dir) not in sys.path:  # the runs' processes get it on PYTHONPATH from bench.runner
+        sys.path.insert(0, str(bench_dir))
+    driver = importlib.import_module("bench.driver")  # by name: the checkout's code, not this package's
+    return int(driver.run_case(args.name, Path(args.out), quick=args.quick, procs=args.procs, repeats=args.repeats,
+                               command=_command(args)))
 
 
 def _command(args: argparse.Namespace) -> str:

@@ -7,7 +7,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.checkpoint import layout
+from hpctrain.checkpoint import confine, layout
+from hpctrain.checkpoint.view import manifest_format, view_class
+from hpctrain.core.safe_pickle import UnsafePickleError, check_torch_archive
+from hpctrain.parallel import checkpoint_formats  # noqa: F401  # the formats' registry lines (torch-free)
 
 if TYPE_CHECKING:
     from hpctrain.weights.export import Source
@@ -106,11 +109,8 @@ def _unsafe_contents(path: Path) -> list[str]:
     """Checksums cannot tell a crafted file from a real one (whoever wrote it can rewrite the
     manifest): every pickle a resume would load is checked as the resume checks it: each
     torch.save file against safe_pickle's limits (nesting, size, zip bomb; no torch needed),
-    a DCP checkpoint's metadata with only DCP's classes admitted, and its items."""
-    from hpctrain.checkpoint import confine
-    from hpctrain.checkpoint.state import SHARDED_DIR
-    from hpctrain.core.safe_pickle import UnsafePickleError, check_torch_archive
-
+    and the files of the manifest's format as its view checks them before a resume reads them
+    (a sharded checkpoint's metadata with only its own classes admitted, and its items)."""
     manifest = layout.read_manifest(path)
     problems = []
     for name in sorted(n for n in manifest["files"] if "/" not in n and n.endswith(".pt")):  # skeleton, per rank
@@ -123,11 +123,10 @@ def _unsafe_contents(path: Path) -> list[str]:
         except OSError as err:
             raise layout.unreadable(path / name, err) from err
     problems += _bad_tensor_headers(path, manifest)
-    if manifest.get("format") == "dcp":
-        from hpctrain.checkpoint.checkpointer import check_dcp_metadata
-
+    view = view_class(manifest_format(manifest))
+    if view.files_dir is not None:
         try:
-            check_dcp_metadata(path / SHARDED_DIR)
+            view.check_files(path)
         except layout.UnreadableCheckpointError:
             raise
         except layout.CheckpointError as err:
@@ -139,7 +138,7 @@ def _bad_tensor_headers(path: Path, manifest: dict[str, Any]) -> list[str]:
     """A tensor file's header is checked as a resume checks it before allocating anything (a
     length within the file, no deep nesting, known dtypes, non-negative shapes whose bytes are
     the offsets' span): a checksum rewritten to match proves none of that."""
-    from hpctrain.checkpoint import tensorfile
+    from hpctrain.checkpoint import tensorfile  # torch: only verify reads tensor headers, `ckpt list` loads none
 
     problems = []
     for name in sorted(n for n in manifest["files"] if n.endswith(".safetensors")):
@@ -155,7 +154,6 @@ def _bad_tensor_headers(path: Path, manifest: dict[str, Any]) -> list[str]:
 def cmd_export(args: argparse.Namespace) -> int:
     # Here, not at the top: export needs torch, and list and verify (a login node's) do not.
     from hpctrain.checkpoint.tensorfile import TensorFileError
-    from hpctrain.core.safe_pickle import UnsafePickleError
     from hpctrain.weights.export import SUFFIXES, ExportError, write_stream
 
     out = Path(args.out)
@@ -179,23 +177,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def checkpoint_source(path: Path) -> Source:
-    """A committed checkpoint's model tensors, without a process group: a DCP checkpoint's are
-    read one at a time (never the optimizer state); a DeepSpeed one's ZeRO partitions are merged
-    by DeepSpeed's zero_to_fp32; a torch-format one's rank-0 file is loaded."""
-    from hpctrain.checkpoint.state import DEEPSPEED_DIR, REPLICATED, SHARDED_DIR
-    from hpctrain.weights.export import dcp_source, dict_source
-
-    fmt = layout.read_manifest(path).get("format")
-    if fmt == "dcp":
-        return dcp_source(path / SHARDED_DIR)
-    if fmt == "deepspeed":
-        from hpctrain.parallel.deepspeed import consolidated_state
-
-        return dict_source(consolidated_state(path / DEEPSPEED_DIR))
-    from hpctrain.checkpoint.checkpointer import load_replicated
-
-    # the manifest's entries: every file checked against its size and checksum while it is read
-    state = load_replicated(path, files=layout.read_manifest(path)["files"])
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-        raise layout.CheckpointError(f"{path / REPLICATED} holds no model state dict (crafted or corrupted)")
-    return dict_source(dict(state["model"]))
+    """A committed checkpoint's model tensors, without a process group, from the view class of
+    its manifest's format (a sharded checkpoint's read one at a time, never the optimizer state)."""
+    source: Source = view_class(manifest_format(layout.read_manifest(path))).export(path)
+    return source

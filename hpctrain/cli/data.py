@@ -46,7 +46,7 @@ def _shard_splits(args: argparse.Namespace) -> tuple[str, ...]:
     if args.split:
         return (args.split,)
     if args.source.startswith("text:"):
-        from hpctrain.data.text import split_folders
+        from hpctrain.data.text import split_folders  # imports torch: only for text sources
 
         folders = split_folders(args.source.removeprefix("text:"))
         if folders:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
+import sys
 from typing import NamedTuple
 
 from hpctrain.core.errors import UserError
-from hpctrain.estimate import activations, hfconfig, memory, model, reliability
-from hpctrain.estimate.hardware import ACCELERATORS, PRECISIONS, lookup
-from hpctrain.estimate.plan import Inputs, estimate
+from hpctrain.estimate import activations, gpu_memory, hfconfig, model, reliability
 from hpctrain.estimate.render import render
+from hpctrain.estimate.sizing import Inputs, estimate
+from hpctrain.telemetry.accelerators import ACCELERATORS, PRECISIONS, Accelerator, lookup
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _SHAPE_FLAGS = (("layers", "--layers"), ("hidden", "--hidden"), ("heads", "--heads"), ("seq_len", "--seq-len"),
@@ -27,29 +29,63 @@ def parse_count(text: str, flag: str) -> float:
 
 
 # what today's models change; None when not given, so a --hf-config value stands
-_ARCH_FIELDS = ("kv_heads", "ffn_hidden", "mlp", "tied", "positions", "norm", "bias", "experts", "top_k", "dropout")
+_ARCH_FIELDS = ("kv_heads", "ffn_hidden", "mlp", "tied", "positions", "norm", "bias", "experts", "top_k", "dropout",
+                "head_dim")
+LONG_CONTEXT = 8_192  # above this, a config's max_position_embeddings is rarely the length a model trains at
+_DESCRIBED = "--gpu-memory-gb and --peak-tflops"  # the source of a part the table lacks
+SEQ_STAND_IN = 1  # a shape without --seq-len: its seq_len, read by nothing the report shows (Inputs.seq_len_known)
 
 
 def _given(args: argparse.Namespace, fields: tuple[str, ...]) -> dict[str, object]:
     return {attr: getattr(args, attr) for attr in fields if getattr(args, attr) is not None}
 
 
-def _shape(args: argparse.Namespace) -> tuple[model.TransformerShape | None, str]:
-    """The transformer shape from --hf-config and the shape flags (a flag overrides the config)."""
+class _Shape(NamedTuple):
+    shape: model.TransformerShape | None
+    source: str = ""
+    seq_len_source: str = ""
+    seq_len_known: bool = True
+    warnings: tuple[str, ...] = ()
+
+
+def _shape(args: argparse.Namespace) -> _Shape:
+    """The transformer shape from --hf-config and the shape flags (a flag overrides the config).
+    --seq-len may be left out: a parameter count does not need it (unless positions are learned)."""
     base, arch = _given(args, tuple(attr for attr, _ in _SHAPE_FLAGS)), _given(args, _ARCH_FIELDS)
     if args.hf_config:
-        fields, source = hfconfig.read(args.hf_config)
-        try:
-            return model.TransformerShape(**{**fields, **base, **arch}), source  # type: ignore[arg-type]
-        except UserError as err:  # name the file whose values (or the flags over them) do not fit together
-            raise UserError(f"{source}: {err}") from None
+        return _hf_shape(args.hf_config, base, arch)
     if not base and not arch:
-        return None, ""
-    missing = [flag for attr, flag in _SHAPE_FLAGS if attr not in base]
+        return _Shape(None)
+    missing = [flag for attr, flag in _SHAPE_FLAGS if attr not in base and attr != "seq_len"]
     if missing:
-        raise UserError(f"a transformer shape needs all of --layers --hidden --heads --seq-len --vocab "
-                        f"(or --hf-config); missing: {' '.join(missing)}")
-    return model.TransformerShape(**base, **arch), "transformer shape"  # type: ignore[arg-type]
+        raise UserError(f"a transformer shape needs all of --layers --hidden --heads --vocab, and --seq-len for "
+                        f"FLOPs, time and activations (or --hf-config); missing: {' '.join(missing)}")
+    if "seq_len" in base:
+        shape = model.TransformerShape(**base, **arch)  # type: ignore[arg-type]
+        return _Shape(shape, "transformer shape", "--seq-len")
+    if arch.get("positions", "learned") == "learned":
+        raise UserError("--seq-len missing: learned positions (the default) are a table of --seq-len x --hidden "
+                        "parameters; give --seq-len, or --positions rotary|alibi to count parameters without it")
+    shape = model.TransformerShape(**base, seq_len=SEQ_STAND_IN, **arch)  # type: ignore[arg-type]
+    return _Shape(shape, "transformer shape", "", seq_len_known=False)
+
+
+def _hf_shape(path: str, base: dict[str, object], arch: dict[str, object]) -> _Shape:
+    """A config's shape. Its context length stands in for --seq-len; above LONG_CONTEXT that is
+    rarely the training length (Llama 3.1: 131,072, 5x the FLOPs of its 8,192), so it warns."""
+    config = hfconfig.load(path)
+    try:
+        shape = model.TransformerShape(**{**config.fields, **base, **arch})
+    except UserError as err:  # name the file whose values (or the flags over them) do not fit together
+        raise UserError(f"{config.source}: {err}") from None
+    if "seq_len" in base:
+        return _Shape(shape, config.source, "--seq-len")
+    warnings: tuple[str, ...] = ()
+    if shape.seq_len > LONG_CONTEXT:
+        warnings = (f"sequence length {shape.seq_len:,} is {config.context_key} from {path}: the longest context "
+                    "the model accepts, rarely the length it trains at; FLOPs, time and activations assume it. "
+                    f"Give the training length with --seq-len, e.g. --seq-len {LONG_CONTEXT}",)
+    return _Shape(shape, config.source, f"{config.context_key} in {path}", True, warnings)
 
 
 class _Size(NamedTuple):
@@ -60,6 +96,7 @@ class _Size(NamedTuple):
 
 
 def _size(args: argparse.Namespace, shape: model.TransformerShape | None, shape_source: str) -> _Size:
+    """The parameter count: --params, else the shape's, else a --model measured on the meta device."""
     if args.model and (args.params or shape):
         raise UserError("--model gives the size on its own; drop --params, --hf-config or the shape flags")
     if args.params:
@@ -67,22 +104,27 @@ def _size(args: argparse.Namespace, shape: model.TransformerShape | None, shape_
     if shape is not None:
         return _Size(float(shape.params), shape_source)
     if args.model:
-        return _measure(args.model, args.micro_batch, memory.compute_bytes(args.precision))
+        return _measure(args.model, args.micro_batch, gpu_memory.compute_bytes(args.precision))
     raise UserError("no model size given: pass --params (e.g. 7.5B), --model NAME (see `hpctrain models`), "
                     "--hf-config config.json, or a transformer shape --layers --hidden --heads --seq-len --vocab")
 
 
 def _measure(name: str, micro_batch: int, element_bytes: int) -> _Size:
-    from hpctrain.estimate import measure  # builds the model: the one path that needs torch
+    """--model: built on the meta device and measured there (the one path that imports torch)."""
+    from hpctrain.models import REGISTRY, build_model  # torch: only --model needs it (the login-node path does not)
+    from hpctrain.telemetry import measure
 
-    net = measure.meta_model(name)
+    try:
+        net = measure.on_meta(lambda: build_model(name))
+    except UserError as err:
+        raise UserError(f"--model: {err}") from err
     source = f"--model {name} (built on the meta device)"
-    sample = measure.input_shape(name)
-    if sample is None:  # a user factory declares no input shape: parameters only
-        return _Size(float(model.count_params(net)), source)
-    dtype = measure.input_dtype(name)
-    acts = measure.saved_tensor_bytes(net, sample, micro_batch, element_bytes, dtype)
-    return _Size(float(model.count_params(net)), source, acts, measure.counted_per_sample(net, sample, dtype=dtype))
+    params = float(measure.param_count([net]))
+    spec = REGISTRY.get(name)
+    if spec is None:  # a user factory declares no input shape: parameters only
+        return _Size(params, source)
+    acts = measure.saved_tensor_bytes(net, spec.input_shape, micro_batch, element_bytes, spec.input_dtype)
+    return _Size(params, source, acts, measure.counted_per_sample(net, spec.input_shape, dtype=spec.input_dtype))
 
 
 def _mtbf(args: argparse.Namespace) -> tuple[float, str]:
@@ -106,10 +148,40 @@ def _hfu(args: argparse.Namespace, peak_flops: float) -> float | None:
     return args.hfu
 
 
+def _gpu(args: argparse.Namespace) -> Accelerator:
+    """--gpu from the table, with --gpu-memory-gb and --peak-tflops (at --precision) over its row; a part
+    the table lacks needs both."""
+    for flag, value in (("--gpu-memory-gb", args.gpu_memory_gb), ("--peak-tflops", args.peak_tflops)):
+        if value is not None and not value > 0:
+            raise UserError(f"{flag} must be positive, got {value}")
+    try:
+        gpu = lookup(args.gpu)
+    except UserError as err:
+        if args.gpu_memory_gb is None or args.peak_tflops is None:
+            raise UserError(f"{err}; or describe it with --gpu-memory-gb and --peak-tflops") from None
+        gpu = Accelerator(args.gpu, args.gpu_memory_gb, dict.fromkeys(PRECISIONS), _DESCRIBED)
+    return _override(gpu, args)
+
+
+def _override(gpu: Accelerator, args: argparse.Namespace) -> Accelerator:
+    """The row with the flags' values, its source naming them (so the report says the figures are the user's)."""
+    flags: list[str] = []
+    if args.gpu_memory_gb is not None:
+        gpu = dataclasses.replace(gpu, memory_gb=args.gpu_memory_gb)
+        flags.append("--gpu-memory-gb")
+    if args.peak_tflops is not None:
+        gpu = dataclasses.replace(gpu, tflops={**gpu.tflops, args.precision: args.peak_tflops})
+        flags.append(f"--peak-tflops ({args.precision})")
+    if not flags or gpu.source == _DESCRIBED:
+        return gpu
+    return dataclasses.replace(gpu, source=f"{gpu.source}, overridden by {' and '.join(flags)}")
+
+
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
-    shape, shape_source = _shape(args)
-    size = _size(args, shape, shape_source)
-    gpu = lookup(args.gpu)
+    found = _shape(args)
+    shape = found.shape
+    size = _size(args, shape, found.source)
+    gpu = _gpu(args)
     mtbf_hours, mtbf_source = _mtbf(args)
     return Inputs(params=size.params, source=size.source, gpu=gpu,
                   tokens=None if args.tokens is None else parse_count(args.tokens, "--tokens"),
@@ -119,11 +191,14 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
                   micro_batch=args.micro_batch, recompute=args.activation_checkpointing,
                   sequence_parallel=args.sequence_parallel, gpu_mtbf_hours=mtbf_hours, mtbf_source=mtbf_source,
                   ckpt_gbps=args.ckpt_bandwidth, shape=shape, measured_activations=size.activations,
-                  counted_flops_per_sample=size.flops_per_sample)
+                  counted_flops_per_sample=size.flops_per_sample, seq_len_known=found.seq_len_known,
+                  seq_len_source=found.seq_len_source, warnings=found.warnings)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     result = estimate(inputs_from_args(args))
+    for warning in result["warnings"]:  # on stderr too, so neither a pipe nor --json hides it
+        sys.stderr.write(f"hpctrain estimate: warning: {warning}\n")
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
@@ -143,14 +218,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--tokens", help="training tokens: 300B, 1.4T; samples for an image --model "
                                       "(needed for FLOPs and time)")
     run.add_argument("--gpus", type=int, default=1, help="GPUs in the job (default 1)")
-    run.add_argument("--gpu", default="h100-sxm", help=f"accelerator: {', '.join(ACCELERATORS)} (default h100-sxm)")
-    run.add_argument("--strategy", help=f"mark one strategy: {', '.join(memory.STRATEGIES)} (all are shown)")
+    run.add_argument("--gpu", default="h100-sxm", help=f"accelerator: {', '.join(ACCELERATORS)} (default h100-sxm), "
+                                                       "or any name with --gpu-memory-gb and --peak-tflops")
+    run.add_argument("--gpu-memory-gb", type=float, metavar="GB",
+                     help="device memory in GB (1e9 bytes), over the table's")
+    run.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
+                     help="dense peak TFLOP/s per GPU at --precision, over the table's")
+    run.add_argument("--strategy", help=f"mark one strategy: {', '.join(gpu_memory.STRATEGIES)} (all are shown)")
     run.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     run.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     run.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with --tp")
     run.add_argument("--precision", default="bf16", choices=PRECISIONS, help="training precision (default bf16)")
-    run.add_argument("--amp-layout", default="master", choices=["master", "autocast"],
-                     help="16-bit states: master = 2+2+12 B/param (Megatron, DeepSpeed), "
+    run.add_argument("--amp-layout", default="master", choices=list(gpu_memory.AMP_LAYOUTS),
+                     help="16-bit states: master = 2+2+12 B/param (16-bit grads: DeepSpeed, the ZeRO paper), "
+                          "megatron = 2+4+12 (fp32 main grads: Megatron-LM in bf16), "
                           "autocast = 4+4+8 (torch AMP, FSDP2 mixed precision)")
     run.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a mixture of experts; divides dp)")
     run.add_argument("--mfu", type=float, help="model FLOPs utilisation, a fraction (default 0.4)")
@@ -176,6 +257,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _add_architecture(p: argparse.ArgumentParser) -> None:
     arch = p.add_argument_group("architecture (with a shape or --hf-config; defaults: GPT-2's)")
     arch.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention; default --heads)")
+    arch.add_argument("--head-dim", type=int, help="width of one head (default --hidden / --heads; a config's "
+                                                   "head_dim, e.g. Mistral NeMo's 128)")
     arch.add_argument("--ffn-hidden", type=int, help="MLP width (default 4h; Llama's 8h/3 rounded up to 256 "
                                                      "with --mlp swiglu)")
     arch.add_argument("--mlp", choices=model.MLPS, help="gelu: two matrices (default); swiglu: three")

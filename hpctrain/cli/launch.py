@@ -11,9 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpctrain.core.errors import UserError
-from hpctrain.launch import DEFAULT_HANG_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S
-from hpctrain.launch.program import program_signals, user_program
+from hpctrain.checkpoint.preempt import keep_signals, signal_names
+from hpctrain.config import config_from_args
+from hpctrain.config.checkpoint import CheckpointConfig
+from hpctrain.core.errors import EXIT_PREEMPTED, UserError
+from hpctrain.core.protocol import program_signals, read_status
+from hpctrain.core.rundir import resolve_run_dir
+from hpctrain.launch import DEFAULT_HANG_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S, slurm
+from hpctrain.launch.doctor import render_text, report, summarise
+from hpctrain.launch.program import user_program
+from hpctrain.launch.slurm_jobs import cancel, status, submit
 
 
 def add_parser(sub: Any) -> None:
@@ -48,10 +55,7 @@ def _add_run(sub: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hpctrain.checkpoint.preempt import keep_signals, launcher_exit_code, signal_names
-    from hpctrain.config import config_from_args
-    from hpctrain.launch.local import launch
-    from hpctrain.rundir import resolve_run_dir
+    from hpctrain.launch.local import launch  # torch (torchrun's agent): only `run` loads it
 
     rest = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     program = user_program(rest, args.module)
@@ -65,20 +69,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     # launch() puts back what it found: this recorder, so a second preemption signal after the ranks'
     # save (a repeated warning) cannot end the launcher with 138 before it reports their exit 3
     keep_signals(signal_names(cfg.checkpoint))
-    started = time.time()
+    started, run_dir = time.time(), resolve_run_dir(cfg.run.dir, cfg)
     code = launch(args.nproc, rest, max_restarts=args.max_restarts, nnodes=args.nnodes, node_rank=args.node_rank,
                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, signals=cfg.checkpoint.signals,
-                  shutdown_timeout=args.shutdown_timeout, hang_timeout_s=args.hang_timeout,
-                  run_dir=resolve_run_dir(cfg.run.dir, cfg))
-    return launcher_exit_code(cfg, code, started) if rest[0] == "train" else code
+                  shutdown_timeout=args.shutdown_timeout, hang_timeout_s=args.hang_timeout, run_dir=run_dir)
+    return _launcher_exit_code(run_dir, code, started) if rest[0] == "train" else code
+
+
+def _launcher_exit_code(run_dir: Path, code: int, since: float) -> int:
+    """torchrun reports a worker's exit 3 (or its own SIGTERM) as a failure; the run
+    directory's status file, written after ``since``, tells a preemption apart from a crash."""
+    recorded = read_status(run_dir)
+    if recorded.get("outcome") == "preempted" and recorded.get("time", 0.0) >= since:
+        return EXIT_PREEMPTED
+    return code
 
 
 def _run_program(args: argparse.Namespace, program: list[str]) -> int:
     """A user's script on N ranks: torchrun's environment, every preemption signal forwarded,
     the watchdog when the loop uses the meter, and the script's own exit code (3: requeue)."""
-    from hpctrain.checkpoint.preempt import keep_signals
-    from hpctrain.config.checkpoint import CheckpointConfig
-    from hpctrain.launch.local import launch
+    from hpctrain.launch.local import launch  # torch (torchrun's agent): only `run` loads it
 
     signals = program_signals(CheckpointConfig().signals)
     keep_signals(signals)
@@ -180,8 +190,6 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 
 def _slurm_write(args: argparse.Namespace) -> int:
-    from hpctrain.launch import slurm
-
     missing = [f"--{name}" for name in ("nodes", "time") if getattr(args, name) is None]
     if missing:
         raise UserError(f"hpctrain slurm needs {' and '.join(missing)}; e.g. --nodes 2 --time 04:00:00")
@@ -205,7 +213,6 @@ def _slurm_write(args: argparse.Namespace) -> int:
     if not args.submit:
         print(f"wrote {script}; submit with: sbatch {script}  (or hpctrain slurm ... --submit)")
         return 0
-    from hpctrain.launch.slurm_jobs import submit
 
     job_id = submit(script, plan.run_dir, opts.nodes)
     print(f"submitted job {job_id}: {script}")
@@ -214,8 +221,6 @@ def _slurm_write(args: argparse.Namespace) -> int:
 
 
 def _slurm_status(run_dir: Path, as_json: bool) -> int:
-    from hpctrain.launch.slurm_jobs import status
-
     info = status(run_dir)
     if as_json:
         print(json.dumps(info, indent=2))
@@ -226,8 +231,6 @@ def _slurm_status(run_dir: Path, as_json: bool) -> int:
 
 
 def _slurm_cancel(run_dir: Path) -> int:
-    from hpctrain.launch.slurm_jobs import cancel
-
     print(f"cancelled job {cancel(run_dir)}")
     return 0
 
@@ -248,7 +251,6 @@ def _add_doctor(sub: Any) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     if args.all_nodes:
         return _doctor_all_nodes(args)
-    from hpctrain.launch.doctor import render_text, report
 
     run_dir, data_dir, staged = _doctor_paths(args.config_args)
     rep = report(run_dir=run_dir, data_dir=data_dir, staged=staged, local_ranks=args.nproc)
@@ -259,8 +261,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def _doctor_paths(config_args: list[str]) -> tuple[Path | None, Path | None, bool]:
     if not config_args:
         return None, None, False
-    from hpctrain.config import config_from_args
-    from hpctrain.rundir import resolve_run_dir
 
     cfg = config_from_args(config_args)
     stage = cfg.data.stage_dir
@@ -269,8 +269,6 @@ def _doctor_paths(config_args: list[str]) -> tuple[Path | None, Path | None, boo
 
 
 def _doctor_all_nodes(args: argparse.Namespace) -> int:
-    from hpctrain.launch.doctor import summarise
-
     if "SLURM_JOB_ID" not in os.environ:
         raise UserError("--all-nodes runs srun inside an allocation; hint: salloc -N 2, or in a batch script")
     cmd = ["srun", f"--nodes={os.environ.get('SLURM_NNODES', '1')}", "--ntasks-per-node=1",

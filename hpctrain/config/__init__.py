@@ -21,7 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from hpctrain.config.checkpoint import CheckpointConfig
-from hpctrain.config.data import BatchPlan, DataConfig, batch_plan
+from hpctrain.config.data import BatchSplit, DataConfig, batch_split
 from hpctrain.config.model import ModelConfig
 from hpctrain.config.optim import OptimConfig
 from hpctrain.config.parallel import ParallelConfig
@@ -29,7 +29,7 @@ from hpctrain.config.telemetry import TelemetryConfig
 from hpctrain.config.train import RunConfig, TrainConfig
 from hpctrain.core.section import ConfigError, PrecisionMode, opt, sub, to_dict
 
-__all__ = ["BatchPlan", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
+__all__ = ["BatchSplit", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig", "RunConfig", "TrainConfig", "check_world", "config_from_args", "for_world", "load_config",
            "reference_markdown", "split_config_args", "to_dict", "to_yaml"]
 
@@ -91,12 +91,10 @@ def _check_across_sections(cfg: Config) -> None:
 
 def _check_fp8(cfg: Config) -> None:
     """fp8 converts the model's linear layers before the strategy wraps it: refused where that
-    conversion is not wired in (DeepSpeed's engine) or not tested (tensor parallel's plans)."""
+    conversion is not tested (tensor parallel's plans). A strategy refuses it itself where its
+    wrapper does not take it (DeepSpeed's engine: hpctrain.parallel.deepspeed's check)."""
     if cfg.precision != "fp8":
         return
-    if cfg.parallel.strategy == "deepspeed":
-        raise ConfigError("precision=fp8 is not available with parallel.strategy=deepspeed (its engine sets its own "
-                          "precision); hint: parallel.strategy=fsdp, or precision=bf16")
     if cfg.parallel.tp > 1:
         raise ConfigError(f"precision=fp8 with parallel.tp={cfg.parallel.tp} is not supported yet (float8 needs its "
                           "own tensor-parallel styles); hint: parallel.tp=1, or precision=bf16")
@@ -340,9 +338,9 @@ def _coerce_scalar(value: Any, hint: type, key: str) -> Any:
 
 def for_world(cfg: Config, world_size: int) -> Config:
     """The config as ``world_size`` ranks run it: ``data.batch_size`` = the micro-batch and
-    ``train.grad_accum`` = the micro-steps of :func:`batch_plan` (unchanged without
+    ``train.grad_accum`` = the micro-steps of :func:`batch_split` (unchanged without
     ``data.global_batch_size``). A new value; ``cfg`` is untouched."""
-    plan = batch_plan(cfg.data, cfg.train.grad_accum, world_size)
+    plan = batch_split(cfg.data, cfg.train.grad_accum, world_size)
     if (plan.micro_batch, plan.grad_accum) == (cfg.data.batch_size, cfg.train.grad_accum):
         return cfg
     return replace(cfg, data=replace(cfg.data, batch_size=plan.micro_batch),
@@ -351,7 +349,7 @@ def for_world(cfg: Config, world_size: int) -> Config:
 
 def check_world(cfg: Config, world_size: int) -> None:
     """Checks that depend on the number of ranks, done before init_process_group."""
-    plan = batch_plan(cfg.data, cfg.train.grad_accum, world_size)
+    plan = batch_split(cfg.data, cfg.train.grad_accum, world_size)
     if cfg.data.max_train_samples is not None and cfg.data.max_train_samples < plan.global_batch:
         raise ConfigError(
             f"data.max_train_samples ({cfg.data.max_train_samples}) is smaller than one global batch: "

@@ -50,7 +50,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSplit:
     """How one optimizer step's samples are split: ``micro_batch`` per rank per micro-step,
     ``grad_accum`` micro-steps, ``world_size`` ranks."""
 
@@ -63,12 +63,12 @@ class BatchPlan:
         return self.micro_batch * self.grad_accum * self.world_size
 
 
-def batch_plan(data: DataConfig, grad_accum: int, world_size: int) -> BatchPlan:
+def batch_split(data: DataConfig, grad_accum: int, world_size: int) -> BatchSplit:
     """The split at this world size. Without ``data.global_batch_size``: as configured. With it:
     per rank G / world samples, in the fewest equal micro-batches of at most ``data.batch_size``
     (so the global batch, and with it the sample order per step, is the same at any world size)."""
     if data.global_batch_size is None:
-        return BatchPlan(data.batch_size, grad_accum, world_size)
+        return BatchSplit(data.batch_size, grad_accum, world_size)
     per_rank, rest = divmod(data.global_batch_size, world_size)
     if rest or per_rank == 0:
         raise ConfigError(
@@ -77,7 +77,7 @@ def batch_plan(data: DataConfig, grad_accum: int, world_size: int) -> BatchPlan:
     accum = -(-per_rank // data.batch_size)
     while per_rank % accum:  # equal micro-batches: every micro-step has the same size on every rank
         accum += 1
-    return BatchPlan(per_rank // accum, accum, world_size)
+    return BatchSplit(per_rank // accum, accum, world_size)
 
 
 def _suggest(data: DataConfig, world_size: int) -> int:

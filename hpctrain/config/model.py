@@ -20,6 +20,7 @@ class ModelConfig:
     vocab: int | None = opt(None, "gpt, llama and a user factory's vocab_size: vocabulary size; default: the data's for causal_lm (256 for byte-level text).")
     tie_weights: bool = opt(True, "gpt, llama: share the token embedding with the output projection.")
     dropout: float = opt(0.0, "gpt: dropout after the embeddings, attention and MLP (0 = off).")
+    family: str | None = opt(None, "The model family whose parallel plans (tensor parallel, pipeline split, FSDP and activation-checkpoint units) the model gets: a registered name (gpt, llama, hf-llama) or your own as `package.module:FAMILY` (a hpctrain.models.family.ModelFamily; docs/models.md); default: found from the built model.")
     use_model_loss: bool = opt(False, "A user model that computes its own loss from labels (Hugging Face style): "
                                "called as model(inputs, labels=...) in training, its output's `loss` is the training "
                                "loss (labels: the class ids; for causal_lm the inputs, which the model shifts). "

@@ -2,7 +2,8 @@
 
 The section checks what it can alone (ranges, combinations no strategy supports);
 :func:`check_topology` checks what needs the world size, before any process group work,
-and names the numbers in its message.
+and names the numbers in its message. The sizes it resolves are a
+:class:`hpctrain.core.topology.Topology` (re-exported here).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hpctrain.core.section import ConfigError, at_least, opt, positive
+from hpctrain.core.topology import Topology
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Checkpointing = Literal["none", "block", "selective"]
@@ -24,7 +26,7 @@ STRATEGY_NAMES: list[str] = ["ddp", "zero1", "fsdp", "hsdp", "deepspeed"]
 # Strategies that shard over the data-parallel dimension and so compose with tp / pp.
 SHARDED = ("fsdp", "hsdp")
 
-# parallel.strategy=auto: hpctrain.parallel.auto chooses strategy, tp, pp, activation
+# parallel.strategy=auto: hpctrain.planning.auto chooses strategy, tp, pp, activation
 # checkpointing and micro-batch for the world before anything is built (docs/parallel.md)
 AUTO = "auto"
 
@@ -38,6 +40,7 @@ class ParallelConfig:
     dp_replicate: int = opt(0, "hsdp: replicas (outer mesh dim); 0 = the number of nodes. Shards per replica = dp / dp_replicate.")
     sequence_parallel: bool = opt(False, "With tp > 1: also shard layer norms and the residual stream along the sequence (Megatron sequence parallelism).")
     reshard_after_forward: bool = opt(True, "fsdp/hsdp: free gathered parameters after forward (true = ZeRO-3) or keep them until backward (false = ZeRO-2: more memory, one all-gather less).")
+    reduce_every_microstep: bool = opt(True, "fsdp/hsdp with gradient accumulation (train.grad_accum > 1, or a global batch split into micro-steps): reduce-scatter the gradients after every micro-step, so each rank only ever holds its shard of them (true, as torchtitan), or only after the last one (false: every rank accumulates whole, unsharded gradients over the inner micro-steps, 4 bytes a parameter of its tp/pp part at reduce_dtype=fp32, for accum - 1 fewer reduce-scatters per step; the planner counts them).")
     param_dtype: DTypeName = opt("auto", "fsdp/hsdp mixed precision: dtype of the gathered parameters in forward/backward; auto = bf16 under precision=bf16, fp16 under fp16, else fp32. Sharded master weights stay fp32.")
     reduce_dtype: Literal["fp32", "bf16"] = opt("fp32", "fsdp/hsdp mixed precision: dtype of the gradient reduce-scatter (fp32 keeps the sum exact to fp32).")
     cpu_offload: bool = opt(False, "fsdp/hsdp: keep sharded parameters, gradients and optimizer state in CPU memory (optimizer step on CPU).")
@@ -91,48 +94,16 @@ def _one_of(key: str, value: str, names: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(names)}")
 
 
-@dataclass(frozen=True)
-class Topology:
-    """The resolved degrees for one world size; ``dp_replicate`` x ``dp_shard`` = ``dp``."""
-
-    dp: int
-    tp: int
-    pp: int
-    dp_replicate: int = 1
-
-    @property
-    def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
-
-    @property
-    def stages(self) -> int:
-        return self.pp
-
-
 def check_topology(cfg: ParallelConfig, world_size: int, *, num_nodes: int = 1) -> Topology:
-    """The dp x tp x pp layout of ``world_size`` ranks, or a ConfigError naming the numbers."""
-    model_parallel = cfg.tp * cfg.pp
-    dp = cfg.dp or world_size // model_parallel
-    if dp * model_parallel != world_size:
-        raise ConfigError(f"parallel.dp ({cfg.dp or 'auto'} -> {dp}) x parallel.tp ({cfg.tp}) x parallel.pp ({cfg.pp}) "
-                          f"= {dp * model_parallel} != world size {world_size}; hint: choose degrees whose product "
-                          f"is {world_size}, or leave parallel.dp=0 and make tp x pp divide it")
-    if dp > 1 and model_parallel > 1 and cfg.strategy not in SHARDED:
-        raise ConfigError(f"parallel.strategy={cfg.strategy} with dp={dp} x tp={cfg.tp} x pp={cfg.pp} is not supported; "
-                          "hint: use parallel.strategy=fsdp (or hsdp) to combine data with tensor/pipeline parallelism")
-    replicate = _replicas(cfg, dp, num_nodes)
+    """The topology of ``world_size`` ranks (:meth:`hpctrain.core.topology.Topology.from_config`)
+    after the checks that need the world size, or a ConfigError naming the numbers."""
+    topo = Topology.from_config(cfg, world_size, num_nodes=num_nodes)
+    if topo.dp > 1 and topo.model_split and cfg.strategy not in SHARDED:
+        raise ConfigError(f"parallel.strategy={cfg.strategy} with dp={topo.dp} x tp={cfg.tp} x pp={cfg.pp} is not "
+                          "supported; hint: use parallel.strategy=fsdp (or hsdp) to combine data with "
+                          "tensor/pipeline parallelism")
     _check_pipeline(cfg)
-    return Topology(dp=dp, tp=cfg.tp, pp=cfg.pp, dp_replicate=replicate)
-
-
-def _replicas(cfg: ParallelConfig, dp: int, num_nodes: int) -> int:
-    if cfg.strategy != "hsdp":
-        return 1
-    replicate = cfg.dp_replicate or num_nodes
-    if dp % replicate:
-        raise ConfigError(f"parallel.dp_replicate ({cfg.dp_replicate or f'auto = {num_nodes} nodes'}) must divide "
-                          f"dp ({dp}) for strategy=hsdp; hint: set parallel.dp_replicate to a divisor of {dp}")
-    return replicate
+    return topo
 
 
 def _check_pipeline(cfg: ParallelConfig) -> None:

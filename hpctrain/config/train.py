@@ -10,7 +10,18 @@ from typing import Literal
 
 from hpctrain.config.optim import is_import_path
 from hpctrain.core.section import ConfigError, opt, positive
-from hpctrain.tasks.registry import task_names
+
+# The names train.task accepts besides auto: the built-in tasks (hpctrain/tasks/registry.py maps
+# each to its class; a test keeps the two alike) and those a user's code registers
+# (hpctrain.tasks.registry.register_task adds the name here). Names only: checking a config
+# imports no task, so no torch.
+TASK_NAMES: list[str] = ["classification", "causal_lm", "regression", "multilabel", "custom"]
+
+
+def add_task_name(name: str) -> None:
+    """Let ``train.task=name`` pass the config check (the task's class is the registry's)."""
+    if name not in TASK_NAMES:
+        TASK_NAMES.append(name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +37,7 @@ class TrainConfig:
     eval_each_epoch: bool = opt(True, "Validate at the end of every epoch.")
     task: str = opt("auto", "What the loop trains for (loss, metrics, inputs/targets): classification (class ids), causal_lm (token windows), regression (float targets of any shape; MSE; val mse/rmse/mae), multilabel (0/1 vectors; BCE-with-logits; val f1/accuracy per label), custom (train.loss on the targets as given; val_loss is that loss); auto = the data's (causal_lm for text shards, else classification; custom when train.loss is set and the targets are not class ids); a named task must fit the data.")
     loss: str | None = opt(None, "The training loss by import path, package.module:NAME: a callable (output, target) -> scalar tensor (torch.nn.functional:nll_loss, or your own) used instead of the task's; the targets then reach it unchecked. Validation keeps the task's metrics (val_loss stays the task's; under train.task=custom it is this loss). None (or task): the task's loss.", none_text=("none", "task"))
-    metrics: str | None = opt(None, "Extra validation metrics by import path, package.module:NAME (several: comma-separated): a hpctrain.evaluation.metrics.Metric subclass (or a no-argument factory of one) keeping sums and counts, merged over ranks, divided once in compute(); each key it returns is logged as val_<key>.")
+    metrics: str | None = opt(None, "Extra validation metrics by import path, package.module:NAME (several: comma-separated): a hpctrain.tasks.metrics.Metric subclass (also importable as hpctrain.Metric) (or a no-argument factory of one) keeping sums and counts, merged over ranks, divided once in compute(); each key it returns is logged as val_<key>.")
     best_metric: str = opt("auto", "Validation metric whose best value is tracked (its checkpoint marked): val_accuracy, val_loss, val_perplexity, val_top5_accuracy, ...; auto = val_loss for causal_lm, val_accuracy for classification.")
     best_mode: Literal["auto", "max", "min"] = opt("auto", "Is higher better? auto: min for *loss / *perplexity, else max.")
     compile: bool = opt(False, "Wrap the model in torch.compile (opt-in: compilation takes time).")
@@ -35,7 +46,7 @@ class TrainConfig:
     threads: int | None = opt(None, "torch intra-op threads per rank; default: cores / local ranks.")
 
     def __post_init__(self) -> None:
-        tasks = ("auto", *task_names())  # the registry's (hpctrain/tasks/registry.py)
+        tasks = ("auto", *TASK_NAMES)
         if self.task not in tasks:
             raise ConfigError(f"train.task={self.task!r} is not allowed; choose one of: {', '.join(tasks)}")
         if self.loss is not None and not is_import_path(self.loss):

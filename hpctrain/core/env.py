@@ -68,6 +68,17 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv:
     return ClusterEnv(job_id=env.get("SLURM_JOB_ID"))
 
 
+def launched_rank(environ: Mapping[str, str] | None = None) -> int:
+    """The rank torchrun gave this process (0 when none did), without :func:`detect`'s checks:
+    the name of its per-rank files in the launcher's directories (hpctrain.core.protocol)."""
+    return _int(os.environ if environ is None else environ, "RANK", 0)
+
+
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """Which attempt of torchrun's elastic agent this process belongs to (0: the first)."""
+    return _int(os.environ if environ is None else environ, "TORCHELASTIC_RESTART_COUNT", 0)
+
+
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
     text = env.get(name)
     if text is None:

@@ -2,18 +2,23 @@
 
 Where each concern lives:
 
-* :mod:`~hpctrain.config.data`: the ``data`` section and the batch plan (no torch);
+* :mod:`~hpctrain.config.data`: the ``data`` section and the batch split (no torch);
 * :mod:`~hpctrain.data.build`: :func:`build_data` / :func:`build_val_loader`, the loaders of a
   run from the ``data`` section plus runtime values, and the task the data asks for;
 * :mod:`~hpctrain.data.sources`: every source by name (``data.name``, ``hpctrain data shard``);
   :mod:`~hpctrain.data.mnist`, :mod:`~hpctrain.data.synthetic`, :mod:`~hpctrain.data.files`,
   :mod:`~hpctrain.data.text` implement them;
 * :mod:`~hpctrain.data.batch`: :class:`Batch`, :class:`ArrayDataset`, any map-style dataset;
-* :mod:`~hpctrain.data.memory`: loaders over a dataset in memory;
+* :mod:`~hpctrain.data.position`: every training loader's order, split, position and resume;
+* :mod:`~hpctrain.data.in_memory`: loaders over a dataset in memory; :mod:`~hpctrain.data.user`:
+  datasets as users have them (streams too); :mod:`~hpctrain.data.sampler`: samplers for a loop
+  of your own;
 * tar shards: :mod:`~hpctrain.data.manifest` (format, reading), :mod:`~hpctrain.data.writer`,
   :mod:`~hpctrain.data.indexing` (tars written elsewhere), :mod:`~hpctrain.data.verify`,
-  :mod:`~hpctrain.data.loader` (streaming, resume), :mod:`~hpctrain.data.foreign`
-  (``data.path`` indexed on first use), :mod:`~hpctrain.data.stage` (node-local copy).
+  :mod:`~hpctrain.data.shard_index` (a split's index), :mod:`~hpctrain.data.decode` (fields),
+  :mod:`~hpctrain.data.shard_dataset` (reading), :mod:`~hpctrain.data.loader` (the map-style
+  training loaders and the shard evaluation loader), :mod:`~hpctrain.data.foreign` (``data.path``
+  indexed on first use), :mod:`~hpctrain.data.stage` (node-local copy).
 
 The names below are exported lazily (PEP 562): importing ``hpctrain.config.data`` (the config
 loader does) imports no torch.
@@ -38,8 +43,8 @@ if TYPE_CHECKING:  # what mypy and editors see; at run time __getattr__ imports 
         load_val_set,
     )
     from hpctrain.data.errors import DataMissingError
+    from hpctrain.data.in_memory import EvalLoader, MemoryLoader
     from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
-    from hpctrain.data.memory import EvalLoader, MemoryLoader
 
 _EXPORTS = {
     "ArrayDataset": "hpctrain.data.batch",
@@ -56,8 +61,8 @@ _EXPORTS = {
     "DataMissingError": "hpctrain.data.errors",
     "ShardedEvalLoader": "hpctrain.data.loader",
     "ShardedLoader": "hpctrain.data.loader",
-    "EvalLoader": "hpctrain.data.memory",
-    "MemoryLoader": "hpctrain.data.memory",
+    "EvalLoader": "hpctrain.data.in_memory",
+    "MemoryLoader": "hpctrain.data.in_memory",
 }
 
 __all__ = [  # the keys of _EXPORTS, written out for linters (tests/data/test_sources.py compares them)

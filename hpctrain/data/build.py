@@ -22,9 +22,10 @@ from hpctrain.config.data import DataConfig
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.section import ConfigError
 from hpctrain.data.batch import ArrayDataset, Batch, BatchedDataset, ItemDataset, main_input
-from hpctrain.data.loader import IndexedBatches, PlanLoader, ShardDataset, ShardedEvalLoader, ShardedLoader
+from hpctrain.data.in_memory import EvalLoader, MemoryLoader
+from hpctrain.data.loader import IndexedBatches, MapStyleLoader, ShardedEvalLoader, ShardedLoader
 from hpctrain.data.manifest import manifest_path
-from hpctrain.data.memory import EvalLoader, MemoryLoader
+from hpctrain.data.shard_dataset import ShardDataset
 from hpctrain.data.sources import hook, load_split, resolve_source
 from hpctrain.data.stage import resolve_stage_dir, stage_shards
 from hpctrain.data.text import TextLayout, text_layout, tokens_of
@@ -256,7 +257,7 @@ def _num_classes(dataset: ShardDataset, num_classes: int | None) -> int:
 def _user_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: int, user: UserData,
                num_classes: int | None, with_val: bool, targets: str = "class") -> DataBundle:
     """Loaders over the splits of ``data.name=package.module:NAME`` (or csv:, parquet:, ...):
-    map-style splits by the shards' plan (:class:`PlanLoader`), streams by :class:`StreamLoader`."""
+    map-style splits in the shards' order and split (:class:`MapStyleLoader`), streams by :class:`StreamLoader`."""
     # classes None: unknown to the data; the model's output width tells (models.registry.resolve_num_classes)
     classes = class_count(user, data, num_classes)
     spec = spec_for(user, data, "train", classes if targets in ("class", "multilabel") else None, targets)
@@ -268,11 +269,11 @@ def _user_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: in
         template = _stream_template(user.train, items)
     else:
         batches = IndexedBatches(map_style(user.train, data, spec))
-        loader = PlanLoader(batches, [len(batches)], env, data.batch_size, seed=seed, shuffle=data.shuffle,
-                            shuffle_window=data.shuffle_window, drop_last=data.drop_last,
-                            num_workers=data.num_workers, prefetch_factor=data.prefetch_factor,
-                            pin_memory=_pin(data, device), persistent_workers=data.persistent_workers,
-                            max_samples=data.max_train_samples, what=f"data.name={data.name} train")
+        loader = MapStyleLoader(batches, [len(batches)], env, data.batch_size, seed=seed, shuffle=data.shuffle,
+                                shuffle_window=data.shuffle_window, drop_last=data.drop_last,
+                                num_workers=data.num_workers, prefetch_factor=data.prefetch_factor,
+                                pin_memory=_pin(data, device), persistent_workers=data.persistent_workers,
+                                max_samples=data.max_train_samples, what=f"data.name={data.name} train")
         template = batches.template()
     val = _user_val(data, env, user, classes, targets) if with_val else None
     return _bundle(loader, loader.num_samples, _user_layout(user, template, classes, targets),

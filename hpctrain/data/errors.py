@@ -17,6 +17,10 @@ class CorruptSampleError(RunError):
     """A sample's bytes do not match the index (truncated shard, flipped byte, bad encoding)."""
 
 
+class TruncatedShardError(UserError, CorruptSampleError):
+    """A shard found truncated before training starts: bad input (exit 2), not a failed run."""
+
+
 class DataFormatError(UserError):
     """A data file is not of the kind its source reads (a random file as MNIST); the message names it."""
 

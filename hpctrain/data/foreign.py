@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpctrain.core.atomic import atomic_write_bytes
 from hpctrain.core.cache import cache_root
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.section import ConfigError
@@ -38,7 +39,6 @@ from hpctrain.data.errors import ShardError
 from hpctrain.data.indexing import index_existing, tar_stats
 from hpctrain.data.manifest import load_manifest, manifest_path, parse_json, read_regular
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.rundir import atomic_write_bytes
 
 if TYPE_CHECKING:
     from hpctrain.config.data import DataConfig
@@ -91,8 +91,9 @@ def writable(directory: Path) -> bool:
 
 
 @dataclass
-class Plan:
-    """Where the manifests are read from (``root``) and which splits must be indexed there first."""
+class ForeignIndex:
+    """The index of tars written elsewhere: where their manifests are read from (``root``) and which
+    splits must be indexed (or mirrored) there first."""
 
     directory: Path
     root: Path
@@ -104,7 +105,7 @@ def _tag(*parts: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
 
 
-def plan(path: str, splits: Sequence[str]) -> Plan:
+def foreign_index(path: str, splits: Sequence[str]) -> ForeignIndex:
     """What ``data.path`` means for ``splits`` (the first is the training split); reads only names."""
     given = Path(path)
     pattern = given.name if ("{" in given.name or given.suffix == ".tar") else None
@@ -127,14 +128,14 @@ def plan(path: str, splits: Sequence[str]) -> Plan:
     if not todo:
         if splits[0] not in have_manifest:
             _no_training_split(directory, splits[0])
-        return Plan(directory, directory)
+        return ForeignIndex(directory, directory)
     tag = _tag(str(directory.resolve()), pattern or "")
     if writable(directory):
         root = directory / f".hpctrain-index-{tag}" if pattern else directory
     else:
         root = cache_root() / "index" / f"{directory.resolve().name}-{tag}"
     mirror = {s: manifest_path(directory, s) for s in have_manifest} if root != directory else {}
-    return Plan(directory, root, todo, mirror)
+    return ForeignIndex(directory, root, todo, mirror)
 
 
 def _usable(directory: Path, split: str, tars: list[Path]) -> bool:
@@ -200,12 +201,12 @@ def _mirrored(root: Path, split: str, source: Path) -> bool:
         return False
 
 
-def _ready(p: Plan) -> bool:
+def _ready(p: ForeignIndex) -> bool:
     return (all(_fresh(p.root, s, tars) for s, tars in p.todo.items())
             and all(_mirrored(p.root, s, src) for s, src in p.mirror.items()))
 
 
-def _index(p: Plan, train_split: str) -> None:
+def _index(p: ForeignIndex, train_split: str) -> None:
     p.root.mkdir(parents=True, exist_ok=True)
     done = []
     for split, tars in p.todo.items():
@@ -226,14 +227,14 @@ def prepare(path: str, splits: Sequence[str], env: ClusterEnv) -> Path:
     """The directory whose manifests describe ``data.path``; indexes tars written elsewhere first
     (local rank 0 once per node, the other ranks wait; every rank fails if it fails)."""
     def work() -> None:
-        p = plan(path, splits)
+        p = foreign_index(path, splits)
         if p.todo or p.mirror:
             _index(p, splits[0])
 
     # Every rank enters (the decision whether to index is local rank 0's alone: a waiter
     # that looked after rank 0 finished would see nothing to do and skip the collective).
-    once_per_node("indexing the shards", env, work, lambda: _ready(plan(path, splits)))
-    return plan(path, splits).root
+    once_per_node("indexing the shards", env, work, lambda: _ready(foreign_index(path, splits)))
+    return foreign_index(path, splits).root
 
 
 def shards_root(data: DataConfig, env: ClusterEnv, seq_len: int | None) -> Path:

@@ -7,15 +7,17 @@ byte ranges and a CRC-32 per sample, the input and label fields found by looking
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-import stat
 import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from hpctrain.core.atomic import atomic_write_bytes
+from hpctrain.core.safe_open import NotRegularError, open_regular
 from hpctrain.data.errors import ShardError
 from hpctrain.data.manifest import (
     FORMAT,
@@ -29,7 +31,6 @@ from hpctrain.data.manifest import (
     padded,
     split_key,
 )
-from hpctrain.rundir import atomic_write_bytes
 
 # After the label fields (LABEL_EXTS), an integer member of a sample's .json record, in this order.
 JSON_LABEL_KEYS = ("label", "cls", "class", "target")
@@ -77,12 +78,12 @@ class _Capped:
 
 def _open_regular(path: Path) -> BinaryIO:
     """``path`` opened for reading only if it is a regular file (a FIFO would block tarfile forever)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    fh = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        fh.close()
-        raise ShardError(f"{path} is not a regular file (a FIFO, device or directory); hint: index tar files only")
-    return fh
+    try:
+        raw, _ = open_regular(path)
+    except NotRegularError as err:  # a ValueError: named here, not as an unreadable tar
+        raise ShardError(f"{path} is not a regular file (a FIFO, device or directory); hint: index tar files "
+                         "only") from err
+    return io.BufferedReader(raw)  # tarfile reads 512-byte blocks
 
 
 def _scan_tar(path: Path, fh: BinaryIO, size: int) -> Iterator[tuple[str, Members, dict[str, int]]]:

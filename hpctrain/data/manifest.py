@@ -20,12 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hpctrain.core import safe_open
 from hpctrain.core.cache import cache_root
 from hpctrain.data.errors import ShardError
 
@@ -60,20 +60,17 @@ def plain_name(value: Any) -> bool:
 
 
 def read_regular(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of a regular file no larger than ``limit``. Opened without blocking and checked
-    before a byte is read: a FIFO or device in its place is refused instead of stalling or
-    streaming forever, and an oversized file is refused instead of allocated."""
+    """The bytes of a regular file no larger than ``limit`` (:mod:`hpctrain.core.safe_open`): a FIFO
+    or device in its place is refused instead of stalling or streaming forever, and an oversized
+    file is refused instead of allocated."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        return safe_open.read_regular(path, limit=limit)
+    except safe_open.NotRegularError as err:
+        raise ShardError(f"{what} {path} is not a regular file (a FIFO, device or directory); {_HINT}") from err
+    except safe_open.TooLargeError as err:
+        raise ShardError(f"{what} {path} is {err.size} bytes, more than the {limit} a {what} can be; {_HINT}") from err
     except OSError as err:
         raise ShardError(f"{what} {path} cannot be opened: {err.strerror}; {_HINT}") from err
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ShardError(f"{what} {path} is not a regular file (a FIFO, device or directory); {_HINT}")
-        if st.st_size > limit:
-            raise ShardError(f"{what} {path} is {st.st_size} bytes, more than the {limit} a {what} can be; {_HINT}")
-        return fh.read(st.st_size + 1)  # what the file holds: a read of `limit` would allocate it first
 
 
 def parse_json(data: bytes, what: str, path: Path) -> Any:

@@ -21,7 +21,8 @@ from typing import Any
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from hpctrain.core.env import detect
-from hpctrain.data.memory import rank_slice_of
+from hpctrain.data.in_memory import rank_slice_of
+from hpctrain.data.position import skip_ahead
 
 
 def world_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -70,7 +71,7 @@ class ResumableSampler(DistributedSampler[Any]):
         if not self._until_done or self.epoch > epoch:  # one pass only, or the resumed epoch is over
             self.resume_done()
         if epoch == self.epoch:
-            indices = indices[skip:]
+            indices = skip_ahead(indices, skip)
         if then is not None:
             then()
         return iter(indices)

@@ -4,7 +4,7 @@ A source gives any of three things, each named by an import path (``package.modu
 and imported only when used, so listing and checking names imports no torch:
 
 * ``memory``: a split in memory, ``fn(data: DataConfig, split, seed) -> ArrayDataset``, for
-  ``data.name=NAME`` (read by :class:`~hpctrain.data.memory.MemoryLoader`);
+  ``data.name=NAME`` (read by :class:`~hpctrain.data.in_memory.MemoryLoader`);
 * ``shards``: the directory of tar shards to stream, ``fn(data: DataConfig, env, seq_len) -> Path``,
   for ``data.name=NAME`` (read by :class:`~hpctrain.data.loader.ShardedLoader`);
 * ``pack``: a split's samples to write as shards, ``fn(arg, split, options: PackOptions) -> PackSource``,

@@ -11,18 +11,20 @@ requeued job does not copy again.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
-import stat
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpctrain.core.atomic import atomic_write_bytes, replace_durably
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import RunError, UserError
+from hpctrain.core.safe_open import TooLargeError, UnsafeFileError, WrongSizeError, open_regular
 from hpctrain.data.errors import ShardError
 from hpctrain.data.manifest import (
     MAX_JSON_BYTES,
@@ -34,7 +36,6 @@ from hpctrain.data.manifest import (
     read_regular,
 )
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.rundir import atomic_write_bytes, replace_durably
 
 log = logging.getLogger("hpctrain")
 CHUNK = 8 * 2**20
@@ -110,23 +111,26 @@ def _unchanged(path: Path, record: Any) -> bool:
     return bool(st.st_size == record.get("bytes") and st.st_mtime_ns == record.get("mtime_ns"))
 
 
-def _open_source(src: Path, size: int | None, limit: int | None) -> int:
+def _open_source(src: Path, size: int | None, limit: int | None) -> io.FileIO:
     """A descriptor of ``src``, opened without blocking and refused unless it is a regular file of
     the declared ``size`` (or at most ``limit`` bytes): a FIFO would stall the copy, a device or a
     sparse giant would stream into the local disk before the sha256 could tell."""
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK)
+        fh, _ = open_regular(src, size=size, limit=limit)
     except OSError as err:
         raise ShardError(f"cannot stage {src}: {err.strerror}; hint: hpctrain data verify {src.parent}") from err
-    st = os.fstat(fd)
-    wrong = ("is not a regular file (a FIFO, device or directory)" if not stat.S_ISREG(st.st_mode)
-             else f"is {st.st_size} bytes, the manifest says {size}" if size is not None and st.st_size != size
-             else f"is {st.st_size} bytes, more than the {limit} it can be" if limit is not None and st.st_size > limit
-             else None)
-    if wrong:
-        os.close(fd)
-        raise ShardError(f"cannot stage {src}: it {wrong}; hint: hpctrain data verify {src.parent}")
-    return fd
+    except UnsafeFileError as err:
+        raise ShardError(f"cannot stage {src}: it {_what_is_wrong(err, size, limit)}; hint: hpctrain data verify "
+                         f"{src.parent}") from err
+    return fh
+
+
+def _what_is_wrong(err: UnsafeFileError, size: int | None, limit: int | None) -> str:
+    if isinstance(err, WrongSizeError):
+        return f"is {err.size} bytes, the manifest says {size}"
+    if isinstance(err, TooLargeError):
+        return f"is {err.size} bytes, more than the {limit} it can be"
+    return "is not a regular file (a FIFO, device or directory)"
 
 
 def copy_verified(src: Path, dst: Path, sha256: str | None, size: int | None = None,
@@ -134,12 +138,12 @@ def copy_verified(src: Path, dst: Path, sha256: str | None, size: int | None = N
     """Copy under a temporary name, hashing the bytes written; fsync; rename (and fsync the
     directory) only when the hash matches the manifest. Returns what the marker records.
     ``size``/``limit``: the source's declared size, or its largest, checked before copying."""
-    fin_fd = _open_source(src, size, limit)
+    source = _open_source(src, size, limit)
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     sha = hashlib.sha256()
     copied = 0
     try:
-        with os.fdopen(fin_fd, "rb") as fin, open(tmp, "wb") as fout:
+        with source as fin, open(tmp, "wb") as fout:
             while block := fin.read(CHUNK):
                 sha.update(block)
                 fout.write(block)

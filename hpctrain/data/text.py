@@ -56,6 +56,7 @@ from hpctrain.data.pack import (
     npy_bytes,
     sample_key,
 )
+from hpctrain.data.tables import load_split_table, table_splits
 from hpctrain.data.user import CAUSAL_LM, UserData
 from hpctrain.data.writer import write_shards
 
@@ -241,8 +242,6 @@ def table_text_splits(data: DataConfig, arg: str, seed: int, targets: str = "cla
     ``tokens``) each row's text column (``data.input_key``, else the first of :data:`TEXT_COLUMNS`)
     is a document of byte tokens cut into windows of ``seq_len + 1`` (``model.seq_len``), as
     ``hpctrain data shard text:`` cuts files; any other task reads the table's columns."""
-    from hpctrain.data.tables import load_split_table, table_splits
-
     if targets != "tokens":
         return table_splits(data, arg, seed, targets=targets)
     kind = data.name.partition(":")[0]

@@ -8,7 +8,7 @@ when its signature takes them), with the key ``train`` and optionally ``val`` (o
 * map-style ``torch.utils.data.Dataset``\\ s (items ``(input, target)``, or dicts read by
   ``data.input_key`` / ``data.label_key``; ``data.collate`` replaces the default collate),
   including Hugging Face ``datasets.Dataset``: split by rank and worker by a
-  :class:`~hpctrain.data.loader.PlanLoader`, exactly as tar shards are;
+  :class:`~hpctrain.data.loader.MapStyleLoader`, exactly as tar shards are;
 * ``IterableDataset``\\ s with ``__len__``: read by a :class:`StreamLoader`.
 
 Optional keys: ``num_classes`` (else the dataset's ``classes`` / ``num_classes`` / Hugging Face
@@ -43,8 +43,7 @@ from hpctrain.data.batch import (
     batched,
 )
 from hpctrain.data.errors import DataFormatError
-from hpctrain.data.loader import remaining_batches
-from hpctrain.data.passes import Passes
+from hpctrain.data.position import EpochSplit, Position
 
 log = logging.getLogger("hpctrain")
 CLASSIFICATION, CAUSAL_LM = "classification", "causal_lm"
@@ -183,7 +182,7 @@ def is_stream(dataset: Any) -> bool:
 ENDLESS = 2**53  # samples of a stream without __len__ until bound_stream sizes it (a JSON-safe int)
 
 
-class StreamLoader(Passes):
+class StreamLoader(Position):
     """Training batches of an ``IterableDataset``: an epoch is its ``__len__`` samples, or, for a
     stream without one, ``data.max_train_samples`` or the run's ``train.max_steps`` (:func:`bound_stream`).
 
@@ -202,15 +201,12 @@ class StreamLoader(Passes):
         self.batch_size, self.drop_last = batch_size, drop_last
         self.num_samples = min(total, max_samples or total)
         self.stateful = is_stateful(dataset)
-        self.epoch, self.batches_done = 0, 0
-        self._position = 0  # stream items this epoch consumed by all ranks (restored: where the stream resumes)
+        # position: stream items this epoch consumed by all ranks (restored: where the stream resumes)
+        self._split = EpochSplit(self.num_samples, batch_size, env.world_size, drop_last)
         self._resuming = False  # a Stateful stream was restored: the next pass continues it
         if len(self) == 0:
             raise DataFormatError(f"{name} has {self.num_samples} samples: fewer than one global batch of "
                                   f"{batch_size} x {env.world_size} ranks; hint: lower data.batch_size")
-
-    def __len__(self) -> int:
-        return remaining_batches(self.num_samples, 0, self.batch_size, self.env.world_size, self.drop_last)
 
     def bound(self, max_steps: int | None, grad_accum: int) -> int:
         """A stream without ``__len__``: one epoch is the run's ``max_steps`` optimizer steps
@@ -220,11 +216,9 @@ class StreamLoader(Passes):
                                   "so the run cannot know when to stop; hint: set train.max_steps (or "
                                   "data.max_train_samples as the samples of one epoch, or define __len__)")
         self.num_samples = max_steps * grad_accum * self.batch_size * self.env.world_size
+        self._split = EpochSplit(self.num_samples, self.batch_size, self.env.world_size, self.drop_last)
         self.endless = False
         return self.num_samples
-
-    def _rewind(self) -> None:
-        self.batches_done, self._position = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -245,11 +239,10 @@ class StreamLoader(Passes):
         step, rank, size = self.batch_size * self.env.world_size, self.env.rank, self.batch_size
         stream = iter(self.dataset)
         while self.batches_done < len(self):
-            chunk = list(islice(stream, min(step, self.num_samples - self._position)))
+            first = self.position
+            chunk = list(islice(stream, min(step, self.num_samples - first)))
             if not chunk or not self._current(token):
                 return
-            self._position += len(chunk)
-            first = self._position - len(chunk)
             mine = list(range(rank * size, min((rank + 1) * size, len(chunk))))
             self.batches_done += 1
             yield self._batch(chunk, mine, first)
@@ -265,8 +258,7 @@ class StreamLoader(Passes):
         return Batch(batch.inputs, batch.targets, batch.keys, mask)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"epoch": self.epoch, "batches_done": self.batches_done, "position": self._position,
-                                 "num_samples": self.num_samples, "world_size": self.env.world_size}
+        state: dict[str, Any] = {**self.position_state(), "num_samples": self.num_samples}
         if self.stateful:
             state["stream"] = self.dataset.state_dict()  # type: ignore[attr-defined]  # Stateful: checked
         return state
@@ -275,10 +267,7 @@ class StreamLoader(Passes):
         self.set_epoch(int(state["epoch"]))
         if self.stateful and "stream" in state and int(state.get("position", 0)) > 0:
             self.dataset.load_state_dict(state["stream"])  # type: ignore[attr-defined]  # Stateful: checked
-            self._position = int(state["position"])
-            left = remaining_batches(self.num_samples, self._position, self.batch_size, self.env.world_size,
-                                     self.drop_last)
-            self.batches_done = len(self) - left
+            self.seek(int(state["position"]))
             self._resuming = True
         elif int(state.get("position", 0)) > 0 and self.env.rank == 0:
             log.warning("%s: the IterableDataset %s is not Stateful (no state_dict/load_state_dict): the resumed "

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpctrain.core.atomic import atomic_write_bytes, replace_durably
 from hpctrain.core.errors import io_error
 from hpctrain.data.errors import ShardError
 from hpctrain.data.manifest import BLOCK, FORMAT, VERSION, index_name, manifest_path, padded, shard_name
-from hpctrain.rundir import atomic_write_bytes, replace_durably
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
 

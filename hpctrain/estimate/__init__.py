@@ -1,12 +1,13 @@
 """Sizing estimator: FLOPs and wall time, memory per GPU by strategy, checkpoint cost, MTBF math.
 
-The accelerator peak table (:mod:`hpctrain.estimate.hardware`) is shared with telemetry's MFU.
+The accelerator peak table (:mod:`hpctrain.telemetry.accelerators`) is shared with telemetry's MFU, and
+the meta-device measurement of a built model (:mod:`hpctrain.telemetry.measure`) with the planner and telemetry.
 """
 
+from hpctrain.estimate.gpu_memory import MemoryBreakdown, predict_rank_bytes
 from hpctrain.estimate.hardware import ACCELERATORS, Accelerator, lookup, peak_tflops
-from hpctrain.estimate.memory import MemoryBreakdown, predict_rank_bytes
 from hpctrain.estimate.model import TransformerShape
-from hpctrain.estimate.plan import Inputs, estimate
+from hpctrain.estimate.sizing import Inputs, estimate
 
 __all__ = ["ACCELERATORS", "Accelerator", "Inputs", "MemoryBreakdown", "TransformerShape", "estimate", "lookup",
            "peak_tflops", "predict_rank_bytes"]

@@ -1,5 +1,5 @@
 """Activation memory per GPU: Korthikanti et al. 2022 for transformers (any other model is
-measured by a meta-device forward, :func:`hpctrain.estimate.measure.saved_tensor_bytes`).
+measured by a meta-device forward, :func:`hpctrain.telemetry.measure.saved_tensor_bytes`).
 
 Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
 count the bytes one transformer layer keeps for backward, with e-byte activations and
@@ -45,7 +45,7 @@ def layer_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, seque
     if recompute == "full":
         return e * sbh / replicated_divisor
     replicated = (4 * e + 2 * mask) * sbh / replicated_divisor
-    attention = e * sb * (2 * shape.hidden + 2 * shape.kv_dim)  # Q, K, V, projection input
+    attention = e * sb * (2 * shape.q_dim + 2 * shape.kv_dim)  # Q, K, V, projection input (q_dim: heads x head_dim)
     mlp_tensors = 4 if shape.mlp == "swiglu" else 2
     split = (attention + e * sb * shape.ffn * mlp_tensors * shape.top_k) / tp
     if recompute == "selective":

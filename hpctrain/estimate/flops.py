@@ -7,7 +7,7 @@ which :func:`attention_flops` adds when the shape is known (12·L·h·s per toke
 forward+backward, the PaLM appendix B convention, non-causal count): the model FLOPs of
 MFU. Hardware FLOPs (HFU) also count what activation recomputation runs again.
 6ND badly undercounts networks that reuse a weight at many positions (a convolution):
-for a model built on the meta device, :func:`hpctrain.estimate.measure.counted_per_sample` counts the real matmul
+for a model built on the meta device, :func:`hpctrain.telemetry.measure.counted_per_sample` counts the real matmul
 and convolution FLOPs of one forward+backward with ``torch.utils.flop_counter``.
 """
 
@@ -23,8 +23,9 @@ def training_flops(params: float, tokens: float) -> float:
 
 
 def attention_flops(shape: TransformerShape, tokens: float) -> float:
-    """Score and value products, forward+backward: 3 x (2 matmuls x 2 FLOPs x s x h) per layer and token."""
-    return 12.0 * shape.layers * shape.hidden * shape.seq_len * tokens
+    """Score and value products, forward+backward: 3 x (2 matmuls x 2 FLOPs x s x heads·head_dim) per layer
+    and token (heads·head_dim is the hidden size unless a config's ``head_dim`` says otherwise)."""
+    return 12.0 * shape.layers * shape.q_dim * shape.seq_len * tokens
 
 
 def model_flops(shape: TransformerShape, tokens: float) -> float:

@@ -1,7 +1,7 @@
 """A transformers ``config.json`` read offline into a :class:`TransformerShape` (no transformers import).
 
 Each family names the same quantities differently; a key with a documented transformers
-default (``num_key_value_heads``, ``tie_word_embeddings``, ``n_inner``) may be absent, any
+default (``num_key_value_heads``, ``tie_word_embeddings``, ``n_inner``, ``head_dim``) may be absent, any
 other missing key is an error naming the file and the key. What does not change the
 parameter count or the FLOPs (rotary fraction, rope theta, sliding windows, GPT-NeoX's
 parallel residual) is read by nobody.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hpctrain.core.errors import UserError
 
@@ -27,8 +27,21 @@ _FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+class HFConfig(NamedTuple):
+    fields: dict[str, Any]  # TransformerShape's keyword arguments
+    source: str  # "--hf-config PATH (family)", for the report
+    context_key: str  # the key the sequence length came from: the longest context the model accepts
+
+
 def read(path: str) -> tuple[dict[str, Any], str]:
     """The :class:`TransformerShape` fields from ``path`` (flags may override them) and a description."""
+    fields, source, _ = load(path)
+    return fields, source
+
+
+def load(path: str) -> HFConfig:
+    """:func:`read`, and the key that gave the sequence length (``max_position_embeddings``,
+    GPT-2's ``n_positions``): a default the CLI reports, since it is rarely the training length."""
     config = _load(path)
     family = config.get("model_type")
     if family is None:
@@ -37,7 +50,8 @@ def read(path: str) -> tuple[dict[str, Any], str]:
         raise UserError(f"--hf-config {path}: model_type {family!r} is not supported; "
                         f"supported: {', '.join(_FAMILIES)}")
     fields = {**_FAMILIES[family], **(_gpt2(path, config) if family == "gpt2" else _llama_like(path, config, family))}
-    return fields, f"--hf-config {path} ({family})"
+    return HFConfig(fields, f"--hf-config {path} ({family})",
+                    "n_positions" if family == "gpt2" else "max_position_embeddings")
 
 
 def _load(path: str) -> dict[str, Any]:
@@ -81,6 +95,8 @@ def _llama_like(path: str, config: dict[str, Any], family: str) -> dict[str, Any
         "tied": bool(config.get("tie_word_embeddings", False)),  # transformers' default for these families
         "dropout": _dropout(config, "attention_dropout", "hidden_dropout"),
     }
+    if config.get("head_dim") is not None:  # narrower heads than hidden / heads (Mistral NeMo: 32 x 128 < 5120)
+        fields["head_dim"] = _int(path, config, "head_dim")
     if family == "mixtral":
         fields["experts"] = _int(path, config, "num_local_experts")
         fields["top_k"] = _int(path, config, "num_experts_per_tok")

@@ -7,10 +7,17 @@ from typing import Any
 _WIDTH = 30  # label column
 
 
+def sig3(x: float) -> str:
+    """Three significant digits for people: 1,580 (never 1.58e+03), 15.6, 0.125."""
+    if abs(x) >= 100:
+        return f"{float(f'{x:.3g}'):,.0f}"
+    return f"{x:.3g}"
+
+
 def count(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
-            return f"{n / scale:,.3g}{unit}"
+            return f"{sig3(n / scale)}{unit}"
     return f"{n:,.0f}"
 
 
@@ -38,8 +45,8 @@ def _line(label: str, value: str) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
-    return "\n".join(_header(result) + _compute(result["compute"]) + _memory(result["memory"])
-                     + _checkpoint(result)) + "\n"
+    return "\n".join(_header(result) + _compute(result["compute"], result.get("compute_needs", []))
+                     + _memory(result["memory"]) + _checkpoint(result)) + "\n"
 
 
 def _header(r: dict[str, Any]) -> list[str]:
@@ -48,15 +55,19 @@ def _header(r: dict[str, Any]) -> list[str]:
     lines = [f"model: {count(params)} parameters ({params:,.0f}) from {m['source']}"]
     if active != params:
         lines.append(f"       {count(active)} active per token ({active:,.0f}): a mixture of experts")
+    if m.get("shape") is not None:
+        seq = m.get("seq_len")
+        lines.append(f"seq:   {seq:,} tokens per sample, from {m.get('seq_len_source') or 'the shape'}" if seq
+                     else "seq:   not given: the parameter count needs none; FLOPs, time, activations need --seq-len")
     return lines + [f"job:   {par['gpus']} GPU{'s' if par['gpus'] > 1 else ''} = "
                     f"dp {par['dp']} x tp {par['tp']} x pp {par['pp']}"
                     + (f" (ep {par['ep']} within dp)" if par["ep"] > 1 else "")
                     + (" (sequence parallel)" if par["sequence_parallel"] else "")]
 
 
-def _compute(c: dict[str, Any] | None) -> list[str]:
+def _compute(c: dict[str, Any] | None, needs: list[str]) -> list[str]:
     if c is None:
-        return ["", "compute", _line("training FLOPs", "give --tokens")]
+        return ["", "compute", _line("training FLOPs", f"give {' and '.join(needs or ['--tokens'])}")]
     lines = ["", "compute", _line("tokens", count(c["tokens"])),
              _line("training FLOPs (6ND)", f"{c['flops']:.3g}"), _line("PF-days", number(c["pf_days"]))]
     if c["flops_counted"] is not None:

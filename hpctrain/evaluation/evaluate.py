@@ -7,7 +7,7 @@ never hangs. Metric states are all-gathered and merged in rank order, so every r
 the same, single-process-exact numbers.
 
 Under tensor (or pipeline) parallelism the ranks of one model replica read the same shard
-(``hpctrain.parallel.plan.Plan.data_env``) and compute the same outputs: pass ``group``, the replicas'
+(``hpctrain.planning.layout.RunLayout.data_env``) and compute the same outputs: pass ``group``, the replicas'
 data-parallel process group (:func:`hpctrain.parallel.mesh.dp_group`), so each sample is
 merged once, within each dp group, instead of once per tp rank.
 """
@@ -24,14 +24,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from hpctrain.core.env import ClusterEnv, collective_device
+from hpctrain.core.atomic import atomic_open
+from hpctrain.core.env import ClusterEnv, collective_device, detect
+from hpctrain.core.modules import eval_view
 from hpctrain.data import EvalBatches
 from hpctrain.data.batch import Batch, map_inputs
-from hpctrain.evaluation.metrics import EvalOutput, Metric
+from hpctrain.data.in_memory import EvalLoader
 from hpctrain.precision import Precision
-from hpctrain.tasks import Classification, Task
+from hpctrain.tasks import Classification, Task, build_task
+from hpctrain.tasks.metrics import Accuracy, EvalOutput, MeanLoss, Metric
 
 
 @dataclass
@@ -57,12 +59,9 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
     shard); every rank of the world calls this, each with its own dp group."""
     task = task or Classification()
     start = time.perf_counter()
-    # no DDP syncs in eval; its buffers made rank 0's first, so every rank validates the model
-    # rank 0 saves (DDP broadcasts them only at its next training forward)
-    from hpctrain.parallel.buffers import ddp_sync_buffers
-
-    ddp_sync_buffers(model)
-    net = model.module if isinstance(model, DistributedDataParallel) else model
+    # the wrapper's own view (registered by the strategy that made it): DDP's syncs its buffers to
+    # rank 0's first, so every rank validates the model rank 0 saves, and runs no forward syncs
+    net = eval_view(model)
     was_training = net.training
     net.eval()
     for metric in metrics:
@@ -102,11 +101,6 @@ def evaluate_dataset(model: nn.Module, dataset: Any, batch_size: int = 256, *,
     Every rank calls it. The loss is cross-entropy, which on log-probabilities (a final
     ``log_softmax``) equals ``nll_loss``. ``task`` (a name or a Task: ``regression``,
     ``multilabel``, ...) reads the targets and gives the metrics its own way."""
-    from hpctrain.core.env import detect
-    from hpctrain.data.memory import EvalLoader
-    from hpctrain.evaluation.metrics import Accuracy, MeanLoss
-    from hpctrain.tasks import build_task
-
     env = detect()
     device = next(model.parameters()).device
     chosen = build_task(task) if isinstance(task, str) else task
@@ -210,8 +204,6 @@ def gather_predictions(rows: list[dict[str, Any]], env: ClusterEnv,
 
 def write_predictions(rows: list[dict[str, Any]], path: Path) -> None:
     """One JSON row per sample; the file appears whole or not at all."""
-    from hpctrain.rundir import atomic_open
-
     with atomic_open(path, "w") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")

@@ -10,15 +10,15 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.core import env as cluster
+from hpctrain.core.atomic import write_json
 from hpctrain.core.errors import HpctrainError, UserError, agree
 from hpctrain.data import build_val_loader
 from hpctrain.evaluation.evaluate import evaluate, write_predictions
-from hpctrain.evaluation.metrics import user_metrics
 from hpctrain.models.registry import resolve_num_classes
 from hpctrain.precision import Precision
-from hpctrain.rundir import write_json
 from hpctrain.tasks import Task, data_targets, resolve_task
 from hpctrain.tasks.inputs import build_task_model
+from hpctrain.tasks.metrics import user_metrics
 from hpctrain.weights.load import load_weights_file
 
 log = logging.getLogger("hpctrain")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,20 @@ from hpctrain.core.env import ClusterEnv
 from hpctrain.data import EvalBatches
 from hpctrain.data.batch import Batch, main_input, map_inputs
 from hpctrain.evaluation.evaluate import EvalResult, lockstep
-from hpctrain.evaluation.metrics import Metric
-from hpctrain.parallel.pipeline import PipelineStep
 from hpctrain.precision import Precision
 from hpctrain.tasks import Task
+from hpctrain.tasks.metrics import Metric
+
+
+class Stages(Protocol):
+    """What evaluation needs of a pipeline (the pipeline strategy's step,
+    :class:`hpctrain.parallel.pipeline.PipelineStep`): this rank's stage modules, the
+    micro-batches per batch, and a forward-only pass over a whole batch."""
+
+    modules: list[nn.Module]
+    microbatches: int
+
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None: ...
 
 
 class _Logits(nn.Module):
@@ -66,7 +76,7 @@ def pad_batch(batch: Batch, size: int) -> Batch:
 
 
 @torch.no_grad()
-def evaluate_pipeline(step: PipelineStep, loader: EvalBatches, metrics: Sequence[Metric], env: ClusterEnv,
+def evaluate_pipeline(step: Stages, loader: EvalBatches, metrics: Sequence[Metric], env: ClusterEnv,
                       device: torch.device, precision: Precision | None, *, task: Task,
                       batch_size: int, leader: bool = True) -> EvalResult:
     """``metrics`` over ``loader`` (this data-parallel replica's share) through the stages;

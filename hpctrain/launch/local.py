@@ -31,10 +31,17 @@ from torch.distributed.elastic.multiprocessing.api import PContext, SignalExcept
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from hpctrain.checkpoint.preempt import OUTCOME_ENV, all_preempted, read_status, write_status
 from hpctrain.core.errors import EXIT_HUNG, EXIT_PREEMPTED
+from hpctrain.core.protocol import (
+    OUTCOME_ENV,
+    all_preempted,
+    ending,
+    note_ended,
+    note_forwarded,
+    read_status,
+    write_status,
+)
 from hpctrain.launch import DEFAULT_SHUTDOWN_TIMEOUT_S
-from hpctrain.launch.rank import ending, note_ended, note_forwarded
 from hpctrain.launch.watchdog import watching
 
 # What torch handles by default, plus the usual preemption warnings.
@@ -146,7 +153,7 @@ def _record_first_cause(run_dir: Path, started: float, rank: int, code: int) -> 
 
 @contextmanager
 def _outcomes() -> Iterator[Path]:
-    """A private directory where the ranks record a preemption save (hpctrain.checkpoint.preempt)."""
+    """A private directory where the ranks record a preemption save (hpctrain.core.protocol)."""
     directory = Path(tempfile.mkdtemp(prefix="hpctrain-outcomes-"))
     os.environ[OUTCOME_ENV] = str(directory)
     try:

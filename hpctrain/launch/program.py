@@ -5,16 +5,11 @@ script is written on a login node.
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 from hpctrain.core.errors import UserError
 
-# The preemption signals a user's program handles (hpctrain.checkpoint.preempt.Preemption's
-# default), as hpctrain slurm --signal chose them: "SIGHUP,SIGTERM".
-SIGNALS_ENV = "HPCTRAIN_SIGNALS"
 _PYTHONS = ("python", "python3", Path(sys.executable).name)
 
 
@@ -39,8 +34,3 @@ def user_program(rest: list[str], module: list[str] | None = None, base: Path | 
         raise UserError(f"script {rest[0]} does not exist; hint: a path relative to {base}")
     return rest
 
-
-def program_signals(default: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
-    """The preemption signals of a user's program: hpctrain slurm's choice, else ``default``."""
-    chosen = (os.environ if environ is None else environ).get(SIGNALS_ENV, "")
-    return [name for name in chosen.split(",") if name] or list(default)

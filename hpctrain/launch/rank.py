@@ -22,7 +22,7 @@ torchrun's and then replaces itself with the program, as torchrun would have sta
 **The first cause is the one reported.** When a rank dies (SIGKILL, the OOM killer), the
 others fail in their next collective with an error that names nothing ("Connection closed by
 peer"). The launcher notes each rank it saw end with a failure before it stops the others
-(:func:`note_ended`); :func:`first_cause` turns the others' secondary error into one naming
+(:func:`hpctrain.core.protocol.note_ended`); :func:`first_cause` turns the others' secondary error into one naming
 that rank ("rank 1 ended with signal 9 (SIGKILL)").
 """
 
@@ -31,22 +31,19 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
-from pathlib import Path
 
-from hpctrain.core.errors import EXIT_PREEMPTED, HpctrainError, RunError, describe
+from hpctrain.core import protocol
+from hpctrain.core.errors import HpctrainError, RunError
+from hpctrain.core.protocol import OUTCOME_ENV, named_peer_failure, one_line
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-# The node-local directory `hpctrain run` gives its ranks for their outcome notes (a preemption
-# save, a rank's first failure): what the launcher reads to choose its exit code.
-OUTCOME_ENV = "HPCTRAIN_OUTCOME_DIR"
 
 
 def under_torchrun(environ: Mapping[str, str]) -> bool:
@@ -77,11 +74,9 @@ def die_with_launcher(environ: Mapping[str, str] | None = None) -> bool:
 
 def start_rank() -> None:
     """First thing in a rank's ``train`` / ``eval``: end with the launcher, and show the
-    launcher's watchdog that start-up is under way (hpctrain.telemetry.heartbeat)."""
-    from hpctrain.telemetry import heartbeat
-
+    launcher's watchdog that start-up is under way (its heartbeat, hpctrain.core.protocol)."""
     die_with_launcher()
-    heartbeat.from_env()
+    protocol.from_env()
 
 
 # ---------------------------------------------------------------- Slurm's variables
@@ -115,60 +110,6 @@ def main(argv: list[str] | None = None, environ: MutableMapping[str, str] | None
 
 # ---------------------------------------------------------------- the first cause
 
-# The launcher's notes in its outcome directory (node-local, HPCTRAIN_OUTCOME_DIR):
-# ended-<restart>-rank-<rank> (its exit code) and forwarded-<restart>-<SIGNAL>.
-_ENDED, _FORWARDED = "ended-", "forwarded-"
-
-
-def note_ended(directory: Path, restart: str, rank: int, code: int) -> None:
-    """The launcher: rank ``rank`` of attempt ``restart`` ended with ``code`` (negative: the signal)."""
-    (directory / f"{_ENDED}{restart}-rank-{rank}").write_text(str(code))
-
-
-def note_forwarded(directory: Path, restart: str, name: str) -> None:
-    """The launcher: it forwards signal ``name`` to the ranks of attempt ``restart`` now."""
-    (directory / f"{_FORWARDED}{restart}-{name}").touch()
-
-
-def forwarded_signals(environ: Mapping[str, str] | None = None) -> set[str]:
-    """The signals ``hpctrain run`` forwarded to this attempt's ranks so far (names); empty
-    outside ``hpctrain run``. A rank that ignored one for a while can still honour it."""
-    env = os.environ if environ is None else environ
-    directory = env.get(OUTCOME_ENV)
-    if not directory:
-        return set()
-    prefix = f"{_FORWARDED}{env.get('TORCHELASTIC_RESTART_COUNT', '0')}-"
-    return {note.name[len(prefix):] for note in Path(directory).glob(f"{prefix}SIG*")}
-
-
-def ended_ranks(environ: Mapping[str, str] | None = None) -> dict[int, int]:
-    """The other ranks of this attempt that the launcher saw end with a failure (not a
-    preemption's 3): rank -> exit code (negative: the signal). Empty outside ``hpctrain run``."""
-    env = os.environ if environ is None else environ
-    directory = env.get(OUTCOME_ENV)
-    if not directory:
-        return {}
-    own, prefix = env.get("RANK", "0"), f"{_ENDED}{env.get('TORCHELASTIC_RESTART_COUNT', '0')}-rank-"
-    found: dict[int, int] = {}
-    for note in Path(directory).glob(f"{prefix}*"):
-        try:
-            rank, code = note.name[len(prefix):], int(note.read_text())
-        except (OSError, ValueError):
-            continue  # being written
-        if rank != own and rank.isdigit() and code not in (0, EXIT_PREEMPTED):
-            found[int(rank)] = code
-    return found
-
-
-def ending(code: int) -> str:
-    """``signal 9 (SIGKILL)`` or ``exit code 2``."""
-    if code < 0:
-        try:
-            return f"signal {-code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
 
 def peer_failure(err: BaseException, wait_s: float = 5.0, environ: Mapping[str, str] | None = None) -> RunError | None:
     """The error to report instead of ``err`` when another rank ended first: it names that rank.
@@ -182,29 +123,9 @@ def peer_failure(err: BaseException, wait_s: float = 5.0, environ: Mapping[str, 
     while (named := named_peer_failure(err, environ, killed_only=not lost)) is None and time.monotonic() < deadline:
         time.sleep(0.05)
     if named is None and lost:
-        return RunError(f"a collective failed because another rank or the network went away ({_one_line(err)}); "
+        return RunError(f"a collective failed because another rank or the network went away ({one_line(err)}); "
                         "hint: the launcher's log names the rank that ended first")
     return named
-
-
-def named_peer_failure(err: BaseException, environ: Mapping[str, str] | None = None, *,
-                       killed_only: bool = False) -> RunError | None:
-    """A :class:`RunError` naming the rank the launcher saw end first (a death by a signal
-    before an exit: the likeliest first cause, the others followed it); None if none did
-    (``killed_only``: none was killed by a signal)."""
-    ended = {rank: code for rank, code in ended_ranks(environ).items() if code < 0 or not killed_only}
-    if not ended:
-        return None
-    rank, code = min(ended.items(), key=lambda item: (item[1] >= 0, item[0]))
-    return RunError(f"rank {rank} ended with {ending(code)}, so this rank failed too ({_one_line(err)}); hint: that "
-                    "rank's log (and the OOM killer's: `dmesg`, `sacct -j JOB`) says why")
-
-
-def _one_line(err: BaseException) -> str:
-    """The secondary error, short: its first line without a C++ source location, cut at 160."""
-    text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", describe(err).strip())
-    line = text.splitlines()[0] if text else type(err).__name__
-    return line if len(line) <= 160 else line[:157] + "..."
 
 
 def _looks_like_a_lost_peer(err: BaseException) -> bool:

@@ -30,11 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint import layout
+from hpctrain.config import check_world, load_config, split_config_args
 from hpctrain.config.checkpoint import CheckpointConfig
+from hpctrain.core.atomic import atomic_write_text, write_json
 from hpctrain.core.errors import UserError
+from hpctrain.core.protocol import SIGNALS_ENV
+from hpctrain.core.rundir import check_run_dir, claim_run_dir, resolve_run_dir
 from hpctrain.launch.container import Container, Runtime, check_mount, unique_paths
-from hpctrain.launch.program import SIGNALS_ENV, user_program
-from hpctrain.rundir import atomic_write_text, check_run_dir, claim_run_dir, resolve_run_dir, write_json
+from hpctrain.launch.program import user_program
 
 SCRIPT_NAME = "hpctrain.sbatch"
 JOBS_FILE = "slurm-jobs.json"
@@ -291,8 +294,6 @@ def measured_validation_s(run_dir: Path) -> float:
 def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, str] | None = None,
              workdir: Path | None = None) -> JobPlan:
     """Validate options and config together; nothing is written before this returns."""
-    from hpctrain.config import check_world, load_config, split_config_args  # here: `slurm status` needs none
-
     environ = os.environ if environ is None else environ
     workdir = (workdir or Path.cwd()).resolve()
     _check_counts(opts)
@@ -323,7 +324,7 @@ def _plan_program(opts: SlurmOptions, program: list[str], environ: Mapping[str, 
                   gpus: int, nproc: int, time_s: int) -> JobPlan:
     """A user's own script or module instead of hpctrain train: the same job (trap, forward,
     requeue on exit 3, logs in the run directory, containers); the program's preemption
-    signals follow --signal through the environment (hpctrain.launch.program.SIGNALS_ENV)."""
+    signals follow --signal through the environment (hpctrain.core.protocol.SIGNALS_ENV)."""
     if program[0] != "-m":
         program = [str((workdir / program[0]).resolve()), *program[1:]]
     name = program[1].rsplit(".", 1)[-1] if program[0] == "-m" else Path(program[0]).stem

@@ -11,7 +11,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from hpctrain.checkpoint import layout
 from hpctrain.core.errors import RunError, UserError
+from hpctrain.core.protocol import read_status
 from hpctrain.launch.slurm import read_jobs, record_job
 
 
@@ -66,9 +68,6 @@ def job_state(job_id: str) -> str:
 
 def status(run_dir: Path) -> dict[str, Any]:
     """What a user asks about a running or finished job, as one dict."""
-    from hpctrain.checkpoint import layout
-    from hpctrain.checkpoint.preempt import read_status
-
     job_id = last_job(run_dir)
     fields = scontrol_fields(job_id)
     found = layout.committed(layout.checkpoints_dir(run_dir))

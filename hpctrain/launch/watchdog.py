@@ -1,6 +1,6 @@
 """Hang detection in ``hpctrain run``: a bound, a diagnosis, then an end or a restart.
 
-A thread of the launcher reads its ranks' heartbeats (:mod:`hpctrain.telemetry.heartbeat`,
+A thread of the launcher reads its ranks' heartbeats (:mod:`hpctrain.core.protocol`,
 node-local files; no rendezvous, no collective of our own). When the job stalls every rank
 stops beating: the ones that wait in a collective and the one they wait for. The laggard is
 the rank with the fewest laps (ranks pass the same phase boundaries in the same order, and a
@@ -43,9 +43,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hpctrain.core import protocol
 from hpctrain.core.errors import EXIT_HUNG
-from hpctrain.telemetry import heartbeat
-from hpctrain.telemetry.heartbeat import STARTING, Beat
+from hpctrain.core.protocol import STARTING, Beat, write_status
 
 log = logging.getLogger("hpctrain")
 
@@ -107,10 +107,10 @@ def laggard(ranks: list[RankState]) -> RankState:
 
 def allowance(beat: Beat, timeout_s: float) -> float:
     """Seconds without a heartbeat before this rank counts as hung (inf: not judged). Only the
-    phases the loop marks as long (heartbeat.during) and the first step get the long one."""
+    phases the loop marks as long (protocol.during) and the first step get the long one."""
     if beat.phase == STARTING:
         return float("inf")
-    if beat.done == 0 or beat.phase in heartbeat.LONG_PHASES:
+    if beat.done == 0 or beat.phase in protocol.LONG_PHASES:
         return timeout_s * LONG_FACTOR
     return timeout_s
 
@@ -144,7 +144,7 @@ class Watchdog:
                 return
 
     def live_beats(self) -> list[Beat]:
-        found = (heartbeat.read(p) for p in sorted(self.beats.glob("rank-*.beat")))
+        found = (protocol.read_beat(p) for p in sorted(self.beats.glob("rank-*.beat")))
         return [b for b in found if b is not None and b.restart >= self._min_restart
                 and process_state(b.pid) != "exited"]
 
@@ -232,8 +232,8 @@ def python_stacks(beats_dir: Path, rank: RankState, wait_s: float = 3.0) -> str:
     """Every thread's Python stack of a rank: its own faulthandler (always there, no ptrace
     permission needed, answers while the main thread is blocked in C++); for a stopped
     process, which cannot answer, ``py-spy dump`` where installed."""
-    if not rank.stopped and heartbeat.DUMP_SIGNAL is not None:
-        return _faulthandler_stacks(heartbeat.stack_path(beats_dir, rank.rank), rank.pid, wait_s)
+    if not rank.stopped and protocol.DUMP_SIGNAL is not None:
+        return _faulthandler_stacks(protocol.stack_path(beats_dir, rank.rank), rank.pid, wait_s)
     spy = shutil.which("py-spy")
     if spy:
         try:
@@ -248,8 +248,8 @@ def python_stacks(beats_dir: Path, rank: RankState, wait_s: float = 3.0) -> str:
 
 def _faulthandler_stacks(path: Path, pid: int, wait_s: float) -> str:
     before = path.stat().st_size if path.exists() else 0
-    assert heartbeat.DUMP_SIGNAL is not None
-    os.kill(pid, heartbeat.DUMP_SIGNAL)
+    assert protocol.DUMP_SIGNAL is not None
+    os.kill(pid, protocol.DUMP_SIGNAL)
     deadline, size = time.monotonic() + wait_s, before
     while time.monotonic() < deadline:
         time.sleep(0.2)
@@ -264,8 +264,6 @@ def _faulthandler_stacks(path: Path, pid: int, wait_s: float) -> str:
 
 
 def _write_status(run_dir: Path, report: HangReport) -> None:
-    from hpctrain.checkpoint.preempt import write_status
-
     lag = report.laggard
     write_status(run_dir, "hung", rank=lag.rank, host=lag.host, step=lag.step, doing=lag.doing,
                  hang_dir=str(report.directory), exit_code=EXIT_HUNG)
@@ -335,7 +333,7 @@ def watching(timeout_s: float, run_dir: Path, *, nnodes: int = 1,
         yield None
         return
     beats = Path(tempfile.mkdtemp(prefix="hpctrain-beats-", dir=_beats_root()))
-    added = {heartbeat.ENV_DIR: str(beats), **flight_recorder_env(beats, dict(os.environ))}
+    added = {protocol.HEARTBEAT_ENV: str(beats), **flight_recorder_env(beats, dict(os.environ))}
     os.environ.update(added)
     dog = Watchdog(beats, timeout_s, run_dir, job_tag(dict(os.environ), rdzv_id), nnodes=nnodes).start()
     try:

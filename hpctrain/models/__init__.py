@@ -20,10 +20,10 @@ __all__ = ["GPT", "REGISTRY", "ModelError", "ModelSpec", "build_model", "check_m
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy (PEP 562): the config's model section (models/config.py) lives in this package and
-    # needs no torch; the registry builds models.
+    # Lazy (PEP 562): importing the package needs no torch (a login node's config check); the
+    # registry builds models.
     if name in __all__:
-        from hpctrain.models import registry
+        from hpctrain.models import registry  # torch: only when a model is built
 
         return getattr(registry, name)
     raise AttributeError(f"module 'hpctrain.models' has no attribute {name!r}")

@@ -12,7 +12,7 @@ Shaped for the sharding strategies that come after it:
   so a seed gives the same model however it was built (eagerly, or on ``meta`` then
   ``to_empty``).
 
-Parameter count with tied embeddings (the convention of :mod:`hpctrain.estimate.model`):
+Parameter count with tied embeddings (the convention of :mod:`hpctrain.models.shape`):
 per block ``12 h^2 + 13 h``, plus ``(V + T) h`` embeddings and ``2 h`` for the final layer
 norm; untied weights add ``V h`` for the output projection (no bias).
 """

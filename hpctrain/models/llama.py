@@ -15,7 +15,7 @@ Laid out like :mod:`hpctrain.models.gpt`, so every strategy treats it the same w
   length; ``seq_len`` sizes the data and the estimator's shape;
 * :meth:`Llama.reset_parameters` re-draws every weight in a fixed order from the global RNG.
 
-The parameter count is :class:`hpctrain.estimate.model.TransformerShape`'s for the same shape
+The parameter count is :class:`hpctrain.models.shape.TransformerShape`'s for the same shape
 (``mlp=swiglu, positions=rotary, norm=rmsnorm, bias=none``): the estimator and the model agree
 by construction, and tests/models/test_llama.py checks the built model against both it and a
 hand count.
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.config.model import ModelConfig
-from hpctrain.estimate.model import TransformerShape, llama_ffn
 from hpctrain.models.gpt import INIT_STD, check_output, token_vocab
+from hpctrain.models.shape import TransformerShape, llama_ffn
 
 ROPE_THETA = 10_000.0  # Llama 2's rotary base
 NORM_EPS = 1e-5

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from hpctrain.config.model import ModelConfig
+from hpctrain.core.section import ConfigError
+from hpctrain.models.family import mark_family
 from hpctrain.models.gpt import GPT, build_gpt
 from hpctrain.models.llama import build_llama
 from hpctrain.models.mnist_net import MnistCNN
@@ -65,8 +67,9 @@ def build_model(name: str, num_classes: int | None = None, in_channels: int | No
     ``num_classes`` as the data's vocabulary."""
     spec = REGISTRY.get(name)
     if spec is not None and spec.input_dtype == torch.long:
-        return spec.factory(num_classes or spec.num_classes, config=config, input_shape=input_shape,
-                            input_dtype=input_dtype, name=name)
+        model = spec.factory(num_classes or spec.num_classes, config=config, input_shape=input_shape,
+                             input_dtype=input_dtype, name=name)
+        return model if config is None else mark_family(model, config)
     num_classes = num_classes or (spec.num_classes if spec else 10)
     if in_channels is None and input_shape is not None:
         in_channels = input_shape[0]
@@ -88,7 +91,7 @@ def build_model(name: str, num_classes: int | None = None, in_channels: int | No
     if input_shape is not None:
         check_model_output(model, name, input_shape, num_classes, input_dtype, task=task,
                            use_model_loss=config is not None and config.use_model_loss and ":" in name)
-    return model
+    return model if config is None else mark_family(model, config)
 
 
 def resolve_num_classes(config: ModelConfig, data_classes: int, input_shape: tuple[int, ...],
@@ -98,8 +101,6 @@ def resolve_num_classes(config: ModelConfig, data_classes: int, input_shape: tup
     none of them tells."""
     count = config.num_classes or data_classes or infer_num_classes(config.name, input_shape, input_dtype, config)
     if not count:
-        from hpctrain.core.section import ConfigError
-
         raise ConfigError(f"data.name={data_name}: the number of classes is unknown; hint: set model.num_classes, "
                           "or give num_classes in the mapping (or a classes list on the dataset), or let the "
                           "model's factory default its num_classes (its output width is then the class count)")

@@ -1,7 +1,8 @@
 """Parallel strategies: one object per way of running a model over ranks.
 
-- :mod:`~hpctrain.parallel.plan`: the run's plan (mesh, data-parallel rank and size, batch
-  split, checkpoint format), computed once from the config and the environment;
+- :mod:`~hpctrain.parallel.mesh`: the one DeviceMesh of the run's
+  :class:`~hpctrain.core.topology.Topology` (the run's layout, planned once from the config and
+  the environment, is :mod:`hpctrain.planning.layout`, a layer above: it asks the strategies);
 - :mod:`~hpctrain.parallel.base`: the :class:`Strategy` interface; one file per strategy
   (``ddp``, ``zero``, ``fsdp``, ``fsdp_offload``, ``deepspeed``, ``pipeline_strategy``),
   found by name in :mod:`~hpctrain.parallel.registry`;
@@ -17,13 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hpctrain.config.parallel import check_topology
+from hpctrain.core.errors import UserError
+from hpctrain.core.modules import is_sharded, unwrap
+from hpctrain.parallel.registry import make_strategy, strategy_class, strategy_name
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hpctrain.config.parallel import ParallelConfig, Topology
+    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.core.env import ClusterEnv
+    from hpctrain.core.topology import Topology
     from hpctrain.parallel.base import Strategy
     from hpctrain.parallel.pipeline import PipelineStep
 
@@ -33,31 +40,23 @@ __all__ = ["build_parallel", "build_pipeline_step", "is_sharded", "mesh_for", "p
 def strategy_for(cfg: ParallelConfig, env: ClusterEnv, device: torch.device, *, compile: bool = False,
                  precision: str = "fp32", seed: int = 0, mesh: DeviceMesh | None = None) -> Strategy:
     """The registered strategy for ``parallel.*`` on this world (built once; it owns the mesh)."""
-    from hpctrain.parallel.plan import plan_for
-    from hpctrain.parallel.registry import make_strategy
-
-    plan = plan_for(cfg, env)
-    return make_strategy(plan.strategy, plan, env, device, cfg, precision=precision, compile=compile, seed=seed,
-                         mesh=mesh)
+    topology = check_topology(cfg, env.world_size, num_nodes=env.num_nodes)
+    return make_strategy(strategy_name(cfg), topology, env, device, cfg, precision=precision, compile=compile,
+                         seed=seed, mesh=mesh)
 
 
 def mesh_for(env: ClusterEnv, cfg: ParallelConfig, device_type: str = "cpu") -> tuple[Topology, DeviceMesh]:
     """The checked topology and its DeviceMesh (``pp``, ``dp`` [or replicate x shard], ``tp``)."""
-    from hpctrain.config.parallel import check_topology
-    from hpctrain.parallel.mesh import build_mesh
+    from hpctrain.parallel.mesh import build_mesh  # torch: the package's import stays light
 
     topo = check_topology(cfg, env.world_size, num_nodes=env.num_nodes)
-    mesh = build_mesh(world=env.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp, device_type=device_type,
-                      dp_replicate=topo.dp_replicate)
-    return topo, mesh
+    return topo, build_mesh(topo, device_type)
 
 
 def parallelize(model: nn.Module, env: ClusterEnv, cfg: ParallelConfig, *, compile: bool = False,
                 precision: str = "fp32", mesh: DeviceMesh | None = None) -> nn.Module:
     """The model ready for training on this rank (moved to its device beforehand, or on meta
     for :func:`build_parallel`). ``mesh``: one from :func:`mesh_for`, else built here."""
-    from hpctrain.core.errors import UserError
-
     if cfg.pp > 1:
         raise UserError("parallel.pp > 1 runs through a pipeline step function, not a wrapped model; "
                         "hint: use hpctrain.parallel.build_pipeline_step")
@@ -88,25 +87,13 @@ def build_pipeline_step(model: nn.Module, env: ClusterEnv, cfg: ParallelConfig, 
                         mesh: DeviceMesh | None = None) -> PipelineStep:
     """``parallel.pp > 1``: this rank's stage(s) of ``model`` (tensor parallel, activation
     checkpointing and FSDP over dp applied per stage) behind a step function."""
-    from hpctrain.parallel.pipeline_strategy import Pipeline
-    from hpctrain.parallel.plan import plan_for
-    from hpctrain.parallel.registry import strategy_class
+    from hpctrain.parallel.pipeline_strategy import Pipeline  # torch: the package's import stays light
 
-    plan = plan_for(cfg, env, grad_accum=grad_accum)
-    strategy = Pipeline(plan, env, device, cfg, precision=precision, mesh=mesh, stage=strategy_class(cfg.strategy))
+    topology = check_topology(cfg, env.world_size, num_nodes=env.num_nodes)
+    strategy = Pipeline(topology, env, device, cfg, grad_accum=grad_accum, precision=precision, mesh=mesh,
+                        stage=strategy_class(cfg.strategy))
     strategy.loss_fn = lambda out, tgt, mask: loss_fn(out, tgt)
     strategy.build_model(lambda: model)
     assert strategy.step is not None
     return strategy.step
 
-
-def is_sharded(model: nn.Module) -> bool:
-    from hpctrain.parallel.wrappers import is_sharded as sharded
-
-    return sharded(model)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    from hpctrain.parallel.wrappers import unwrap as inner
-
-    return inner(model)

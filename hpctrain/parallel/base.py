@@ -11,6 +11,11 @@ model's tensors for ``model.pt``, and evaluates.
 
 This base class runs a whole model on every rank; subclasses (one file each, registered in
 :mod:`hpctrain.parallel.registry`) override what their strategy changes.
+
+A strategy is given the run's :class:`~hpctrain.core.topology.Topology` (and the batch split)
+by whoever planned the run (the trainer asks ``hpctrain.planning.layout.make_layout``); it
+never imports the planner, which asks the strategy class (:meth:`Strategy.checkpoint_format`,
+:meth:`Strategy.check`).
 """
 
 from __future__ import annotations
@@ -25,19 +30,23 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpctrain.config.parallel import ParallelConfig
 from hpctrain.core.env import ClusterEnv
+from hpctrain.core.modules import is_sharded, sync_buffers, unwrap
+from hpctrain.core.topology import Topology
 from hpctrain.evaluation.evaluate import EvalResult, evaluate
-from hpctrain.evaluation.metrics import Metric
-from hpctrain.parallel.buffers import check_sync_batchnorm, convert_sync_batchnorm, real_samples, sync_buffers
+from hpctrain.parallel.buffers import check_sync_batchnorm, convert_sync_batchnorm, real_samples
 from hpctrain.parallel.checkpointing import apply_activation_checkpointing
+from hpctrain.parallel.clip import clip_grad_norm_
+from hpctrain.parallel.mesh import build_mesh, dp_group
 from hpctrain.parallel.meta import on_meta
 from hpctrain.parallel.state import ModelState, ShardedState, WholeState
 from hpctrain.precision import Precision
+from hpctrain.tasks.metrics import Metric
+from hpctrain.weights.digest import clean_name, param_names
 from hpctrain.weights.export import Source, model_source
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
     from hpctrain.data import EvalBatches
-    from hpctrain.parallel.plan import Plan
     from hpctrain.tasks import Task
 
 LossFn = Callable[[Any, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -54,11 +63,15 @@ class Strategy:
 
     name: ClassVar[str] = "whole"
     wraps_a_strategy: ClassVar[bool] = False  # built around another one (registry.make_strategy hands it over)
+    # a mesh also for data parallelism alone (FSDP shards over its dp dim), not only when the model is split
+    needs_mesh: ClassVar[bool] = False
 
-    def __init__(self, plan: Plan, env: ClusterEnv, device: torch.device, cfg: ParallelConfig, *,
-                 precision: str = "fp32", compile: bool = False, seed: int = 0,
-                 clip_grad_norm: float | None = None, mesh: DeviceMesh | None = None) -> None:
-        self.plan, self.env, self.device, self.cfg = plan, env, device, cfg
+    def __init__(self, topology: Topology, env: ClusterEnv, device: torch.device, cfg: ParallelConfig, *,
+                 micro_batch: int = 1, grad_accum: int = 1, precision: str = "fp32", compile: bool = False,
+                 seed: int = 0, clip_grad_norm: float | None = None, mesh: DeviceMesh | None = None) -> None:
+        self.topology, self.env, self.device, self.cfg = topology, env, device, cfg
+        self.micro_batch = micro_batch  # samples per rank per micro-step
+        self.grad_accum = grad_accum  # micro-steps per optimizer step
         self.precision_mode, self.compile, self.seed, self.max_norm = precision, compile, seed, clip_grad_norm
         self.mesh: DeviceMesh | None = mesh if mesh is not None else self._build_mesh()
         self._holds_part = False
@@ -79,13 +92,13 @@ class Strategy:
         return "dcp" if cfg.tp > 1 else "torch"
 
     @classmethod
-    def check(cls, cfg: Config, plan: Plan) -> None:
-        """What this strategy cannot run, as a ConfigError (exit 2) before the process group.
-        Subclasses add their own checks to these (super().check)."""
-        if plan.tp > 1:
+    def check(cls, cfg: Config, topology: Topology) -> None:
+        """What this strategy cannot run on ``topology``, as a ConfigError (exit 2) before the
+        process group. Subclasses add their own checks to these (super().check)."""
+        if topology.tp > 1:  # torch.distributed.tensor (0.7 s) only for tensor parallel runs
             from hpctrain.parallel.tensor import check_tensor_parallel
 
-            check_tensor_parallel(cfg, plan)
+            check_tensor_parallel(cfg, topology)
         check_sync_batchnorm(cfg)
 
     # ---------------------------------------------------------------- building
@@ -117,7 +130,7 @@ class Strategy:
         """The documented order: (fp8 linears) -> tensor parallel -> activation checkpointing -> compile ->
         data parallel."""
         model = self.precision.convert(model)  # precision=fp8: torchao's float8 linears, before any wrapper
-        if self.env.distributed and self.plan.tp > 1:
+        if self.env.distributed and self.topology.tp > 1:  # torch.distributed.tensor (0.7 s) only for tp runs
             from hpctrain.parallel.tensor import apply_tp
 
             assert self.mesh is not None
@@ -149,14 +162,12 @@ class Strategy:
         return torch.amp.GradScaler(self.device.type)
 
     def _build_mesh(self) -> DeviceMesh | None:
-        """The (pp, dp, tp) mesh, once per run, when the model is cut over ranks; data parallel
-        over the whole world needs none (None also in one process)."""
-        if not (self.env.distributed and self.plan.model_split):
+        """The topology's mesh, once per run, when the model is cut over ranks or the strategy
+        shards over it (:attr:`needs_mesh`); data parallel over the whole world needs none (None
+        also in one process)."""
+        if not (self.env.distributed and (self.needs_mesh or self.topology.model_split)):
             return None
-        from hpctrain.parallel.mesh import build_mesh
-
-        return build_mesh(world=self.plan.world_size, dp=self.plan.dp, tp=self.plan.tp, pp=self.plan.pp,
-                          device_type=self.device.type, dp_replicate=self.plan.dp_replicate)
+        return build_mesh(self.topology, self.device)
 
     @property
     def holds_part(self) -> bool:
@@ -164,15 +175,11 @@ class Strategy:
         return self._holds_part
 
     def find_part(self) -> bool:
-        from hpctrain.parallel.wrappers import is_sharded
-
         return is_sharded(self.model)
 
     @property
     def inner(self) -> nn.Module:
         """The user's module inside the wrappers (DDP, torch.compile)."""
-        from hpctrain.parallel.wrappers import unwrap
-
         return unwrap(self.model)
 
     # ---------------------------------------------------------------- the step
@@ -210,8 +217,6 @@ class Strategy:
     def clip_grad_norm(self, max_norm: float) -> None:
         """Sharded gradients (DTensors) need the norm over every shard; whole ones, torch's own."""
         if self.holds_part:
-            from hpctrain.parallel.clip import clip_grad_norm_
-
             clip_grad_norm_(self.model.parameters(), max_norm)
         else:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -235,7 +240,7 @@ class Strategy:
         if self.mesh is None:
             return [None]
         groups = [self.mesh["dp"].get_group()]
-        return groups + [self.mesh["tp"].get_group()] if self.plan.tp > 1 else groups
+        return groups + [self.mesh["tp"].get_group()] if self.topology.tp > 1 else groups
 
     def sync_buffers(self) -> None:
         """Every rank's buffers (BatchNorm statistics) set to rank 0's of its replica group:
@@ -244,14 +249,10 @@ class Strategy:
 
     def buffer_names(self) -> list[str]:
         """The whole model's buffer names (model.pt's, buffers_sha256's)."""
-        from hpctrain.rundir import clean_name
-
         return [clean_name(name) for name, _ in (self.whole if self.whole is not None else self.inner).named_buffers()]
 
     def param_names(self) -> list[str]:
         """The whole model's parameter names, in order (model.pt's, params_sha256's)."""
-        from hpctrain.rundir import param_names
-
         return param_names(self.whole if self.whole is not None else self.inner)
 
     def export_source(self) -> Source:
@@ -265,10 +266,8 @@ class Strategy:
     def eval_group(self) -> Any:
         """The process group evaluation merges over: one rank per data-parallel replica (None:
         every rank is its own replica, the default group)."""
-        if not self.plan.model_split:
+        if not self.topology.model_split:
             return None
-        from hpctrain.parallel.mesh import dp_group
-
         return dp_group(self.mesh)
 
     def evaluate(self, loader: EvalBatches, metrics: Sequence[Metric], task: Task, *,

@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpctrain.parallel.wrappers import is_dtensor
+from hpctrain.core.modules import replica_view
+from hpctrain.core.section import ConfigError
+from hpctrain.models.outputs import _LABELS, attach_labels
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
@@ -34,41 +36,10 @@ if TYPE_CHECKING:
 Groups = Sequence["dist.ProcessGroup | None"]  # None: the whole world
 
 
-def sync_buffers(module: nn.Module, groups: Groups = (None,)) -> int:
-    """Set every buffer of ``module`` to the first rank's of each group in ``groups``, in turn
-    (a collective: every rank of each group calls it). Returns how many buffers it covers (0
-    outside a process group). DTensor buffers are sharded on purpose and are left alone."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    buffers = [b for b in module.buffers() if not is_dtensor(b) and b.device.type != "meta"]
-    from hpctrain.core.env import collective_device
-
-    device = collective_device()
-    for group in groups:
-        if dist.get_world_size(group) == 1:
-            continue
-        for buf in buffers:
-            _broadcast(buf, group, device)
-    return len(buffers)
-
-
-@torch.no_grad()
-def _broadcast(buf: torch.Tensor, group: Any, device: torch.device) -> None:
-    # gloo takes CPU tensors, NCCL CUDA ones: an offloaded (or CPU) buffer travels by a copy
-    direct = buf.device == device and buf.is_contiguous()
-    work = buf if direct else buf.detach().to(device).contiguous()
-    dist.broadcast(work, group_src=0, group=group)
-    if not direct:
-        buf.copy_(work)
-
-
 def ddp_sync_buffers(model: nn.Module) -> None:
     """A DDP-wrapped model's buffers set to its rank 0's over DDP's own process group (what
     its next training forward would do); nothing for any other model."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        sync_buffers(model.module, (model.process_group,))
+    replica_view(model)
 
 
 # ---------------------------------------------------------------- padding in training
@@ -98,8 +69,6 @@ def real_samples(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None
 
 
 def _slice_tensor(inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    from hpctrain.models.outputs import _LABELS, attach_labels
-
     out = inputs[keep]
     labels = getattr(inputs, _LABELS, None)  # for a model that computes its own loss (task.split)
     return attach_labels(out, labels[keep], None) if isinstance(labels, torch.Tensor) else out
@@ -111,8 +80,6 @@ def _slice_tensor(inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 def check_sync_batchnorm(cfg: Config) -> None:
     """``parallel.sync_batchnorm=true`` needs CUDA and NCCL (torch's SyncBatchNorm runs on
     accelerators only): a ConfigError (exit 2) before the process group otherwise."""
-    from hpctrain.core.section import ConfigError
-
     p = cfg.parallel
     if not p.sync_batchnorm:
         return

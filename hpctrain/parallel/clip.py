@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from hpctrain.parallel.wrappers import is_dtensor
+from hpctrain.core.modules import is_dtensor
 
 
 def _group_key(grad: torch.Tensor) -> object:

@@ -37,7 +37,7 @@ class DDP(Strategy):
     name = "ddp"
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
-        if self.plan.dp == 1:
+        if self.topology.dp == 1:
             return model  # nothing to replicate (e.g. tp over the whole world)
         return wrap_ddp(model, self.cfg)
 

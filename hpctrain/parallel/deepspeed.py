@@ -32,22 +32,26 @@ import torch
 from torch import nn
 
 from hpctrain.checkpoint.preempt import children_shielded
+from hpctrain.checkpoint.view import CheckpointView, register_format
 from hpctrain.config.parallel import ParallelConfig
 from hpctrain.core.cache import cache_root
 from hpctrain.core.env import ClusterEnv
-from hpctrain.core.errors import RunError, UserError
+from hpctrain.core.errors import RunError, UserError, agree
+from hpctrain.core.section import ConfigError
 from hpctrain.parallel.base import Factory, LossFn, Strategy, _nothing
 from hpctrain.parallel.buffers import real_samples
+from hpctrain.parallel.meta import build_structure, materialize, meta_copy
 from hpctrain.parallel.state import ModelState
 from hpctrain.precision import Precision
 from hpctrain.weights.export import Source, dict_source
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
-    from hpctrain.parallel.plan import Plan
+    from hpctrain.core.topology import Topology
 
 INSTALL_HINT = ("pip install -c <(echo torch==$(python -c 'import torch; print(torch.__version__)')) "
                 "'hpctrain[deepspeed]'  (the constraint keeps pip from replacing your torch)")
+DEEPSPEED_DIR = "deepspeed"  # format=deepspeed: DeepSpeed's own files, inside the checkpoint directory
 TAG = "state"  # DeepSpeed's checkpoint tag: one per hpctrain checkpoint directory, which names the step
 
 
@@ -143,9 +147,14 @@ class DeepSpeed(Strategy):
         return "deepspeed"
 
     @classmethod
-    def check(cls, cfg: Config, plan: Plan) -> None:
-        """DeepSpeed importable, with the install hint (a UserError), before the process group."""
-        super().check(cfg, plan)
+    def check(cls, cfg: Config, topology: Topology) -> None:
+        """DeepSpeed importable, with the install hint (a UserError), before the process group; not
+        with precision=fp8 (the model's linear layers are converted before a strategy wraps it, and
+        the engine sets its own precision)."""
+        if cfg.precision == "fp8":
+            raise ConfigError("precision=fp8 is not available with parallel.strategy=deepspeed (its engine sets its "
+                              "own precision); hint: parallel.strategy=fsdp, or precision=bf16")
+        super().check(cfg, topology)
         import_deepspeed()
 
     def setup(self, factory: Factory, *, loss_fn: LossFn,
@@ -157,7 +166,7 @@ class DeepSpeed(Strategy):
         self.optimizer = make_optimizer(model)
         self.scheduler = make_scheduler(self.optimizer)  # the engine steps it (once per accumulation window)
         self.model = init_deepspeed(model, self.optimizer, env=self.env, stage=self.cfg.deepspeed_stage,
-                                    micro_batch=self.plan.micro_batch, grad_accum=self.plan.grad_accum,
+                                    micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                                     clip_grad_norm=self.max_norm or 0.0, precision=self.precision_mode,
                                     scheduler=self.scheduler)
         self.scheduler = None  # stepped by the engine, saved in DeepSpeed's checkpoint
@@ -170,8 +179,6 @@ class DeepSpeed(Strategy):
         0 only; the other ranks get its structure and its weights (the engine wants whole modules)."""
         if not self.env.distributed:
             return super().build_model(factory)
-        from hpctrain.parallel.meta import build_structure, materialize, meta_copy
-
         built = build_structure(factory, seed=self.seed)
         if not built.loaded:
             return super().build_model(factory)
@@ -217,10 +224,17 @@ def deepspeed_full_state(engine: Any, env: ClusterEnv) -> dict[str, torch.Tensor
     return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
 
 
-class DeepSpeedState:
-    """Model + optimizer as DeepSpeed saves them: its own files, every rank its ZeRO partitions."""
+class DeepSpeedState(CheckpointView):
+    """Model + optimizer as DeepSpeed saves them (format=deepspeed): its own files under
+    ``deepspeed/``, every rank its ZeRO partitions, rank 0 also the module and the scheduler.
+    A save runs collectives on the training process group, so it is never written in the
+    async writer thread; a resume needs DeepSpeed at the world size that wrote it; the whole
+    model's weights come from DeepSpeed's ``zero_to_fp32`` (``hpctrain ckpt export``)."""
 
     format = "deepspeed"
+    files_dir = DEEPSPEED_DIR
+    written_by = "parallel.strategy=deepspeed"
+    background = False
     strategy = "deepspeed"
 
     def __init__(self, engine: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -232,37 +246,36 @@ class DeepSpeedState:
         own, and a resume must give every rank the same."""
         self.before_save()
 
-    def save(self, directory: Path) -> None:
-        save_engine(self.engine, directory)
+    def write(self, state: Any, directory: Path, rank: int, group: Any) -> list[Path]:
+        """DeepSpeed's own save (a collective that ends in a barrier: every rank's files are
+        complete) into ``directory/deepspeed``; this rank's files of it."""
+        target = directory / DEEPSPEED_DIR
+        save_engine(self.engine, target)
+        return engine_files(target, rank)
 
-    def files(self, directory: Path, rank: int) -> list[Path]:
-        return engine_files(directory, rank)
+    def check_resume(self, path: Path, manifest: dict[str, Any], world_size: int) -> None:
+        super().check_resume(path, manifest, world_size)
+        check_world(int(manifest.get("world_size", 0)), world_size, path)
 
-    def load(self, directory: Path) -> None:
-        load_engine(self.engine, directory)
-
-    def check_world(self, saved_world: int, world: int, path: Path) -> None:
-        check_world(saved_world, world, path)
-
-    def live_tensors(self) -> dict[str, torch.Tensor] | None:
-        return None
-
-    def step_storages(self) -> set[int]:
-        return set()
+    def load(self, path: Path, manifest: dict[str, Any], replicated: dict[str, Any], group: Any) -> dict[str, Any]:
+        """DeepSpeed's ``engine.load_checkpoint`` (module, optimizer partitions, scheduler; a
+        collective), every rank's failure every rank's."""
+        agree(f"loading DeepSpeed's state of {path}", lambda: load_engine(self.engine, path / DEEPSPEED_DIR))
+        return replicated
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.engine.module.parameters())
 
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("DeepSpeed state is saved by DeepSpeed (format=deepspeed)")
+    def checked_module(self) -> Any:
+        return self.engine
 
-    sharded_state_dict = state_dict
+    @classmethod
+    def export(cls, path: Path) -> Source:
+        """The whole model's fp32 weights, the ZeRO partitions merged by DeepSpeed's zero_to_fp32."""
+        return dict_source(consolidated_state(path / DEEPSPEED_DIR))
 
-    def load_state_dict(self, state: dict[str, Any], source: Any = None) -> None:
-        raise NotImplementedError("DeepSpeed state is loaded by DeepSpeed (format=deepspeed)")
 
-    def load_sharded(self, path: str, group: Any) -> None:
-        raise NotImplementedError("DeepSpeed state is loaded by DeepSpeed (format=deepspeed)")
+register_format(DeepSpeedState.format, DeepSpeedState)  # by path for torch-free commands: checkpoint_formats.py
 
 
 # ---------------------------------------------------------------- checkpoints

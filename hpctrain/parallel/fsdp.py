@@ -6,8 +6,11 @@ unit's full parameters exist at a time.
 
 ``reshard_after_forward=True`` frees the gathered parameters after each unit's forward and
 gathers them again in backward (ZeRO-3); ``False`` keeps them until backward (ZeRO-2).
-A 2D mesh (replicate, shard) gives HSDP. Accumulation: :func:`fsdp_no_sync` skips the
-reduce-scatter on inner micro-steps (FSDP2 has no ``no_sync()``).
+A 2D mesh (replicate, shard) gives HSDP. Accumulation: gradients are reduce-scattered after
+every micro-step and summed into each rank's shard, so no rank ever holds them whole (as
+torchtitan); ``parallel.reduce_every_microstep=false`` trades that memory for communication:
+:func:`fsdp_no_sync` skips the reduce-scatter on inner micro-steps (FSDP2 has no ``no_sync()``),
+and every rank accumulates whole gradients until the last one.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from hpctrain.config.parallel import ParallelConfig
+from hpctrain.config.parallel import ParallelConfig, resolve_param_dtype
 from hpctrain.parallel.base import Factory, Strategy
+from hpctrain.parallel.mesh import dp_mesh
+from hpctrain.parallel.meta import build_structure, materialize, meta_copy
 from hpctrain.parallel.units import shard_units
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,10 +53,6 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     # after forward would only gather them again at once.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     return model
-
-
-def fsdp_modules(model: nn.Module) -> Iterator[FSDPModule]:
-    return (m for m in model.modules() if isinstance(m, FSDPModule))
 
 
 @contextlib.contextmanager
@@ -81,19 +82,11 @@ class FSDP(Strategy):
 
     name = "fsdp"
     offload = False  # parameters, gradients and optimizer state in host memory (fsdp_offload.py)
+    needs_mesh = True  # shards over the mesh's dp dim (replicate x shard under HSDP)
 
     @classmethod
     def checkpoint_format(cls, cfg: ParallelConfig) -> str:
         return "dcp"
-
-    def _build_mesh(self) -> DeviceMesh | None:
-        if not self.env.distributed:
-            return None
-        from hpctrain.parallel.mesh import build_mesh
-
-        p = self.plan
-        return build_mesh(world=p.world_size, dp=p.dp, tp=p.tp, pp=p.pp, device_type=self.device.type,
-                          dp_replicate=p.dp_replicate)
 
     def build_model(self, factory: Factory) -> nn.Module:
         """With ``parallel.meta_init``, or a factory that loads weights (it refuses the meta device:
@@ -101,8 +94,6 @@ class FSDP(Strategy):
         weights, so no rank ever holds the whole model on the device, and only rank 0 in host memory."""
         if not self.env.distributed:
             return super().build_model(factory)
-        from hpctrain.parallel.meta import build_structure, materialize, meta_copy
-
         built = build_structure(factory, seed=self.seed)
         if not (self.cfg.meta_init or built.loaded):
             return super().build_model(factory)
@@ -121,15 +112,13 @@ class FSDP(Strategy):
         return model
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
-        if self.plan.dp == 1:
+        if self.topology.dp == 1:
             return model
-        from hpctrain.config.parallel import resolve_param_dtype
-        from hpctrain.parallel.mesh import dp_mesh
-
         assert self.mesh is not None
         return apply_fsdp(model, mesh=dp_mesh(self.mesh), reshard_after_forward=self.cfg.reshard_after_forward,
                           param_dtype=resolve_param_dtype(self.cfg, self.precision_mode),
                           reduce_dtype=self.cfg.reduce_dtype, cpu_offload=self.offload)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return fsdp_no_sync(self.model)
+        # The default reduces on inner micro-steps too: the gradients stay sharded (see the module's docstring).
+        return fsdp_no_sync(self.model, skip=not self.cfg.reduce_every_microstep)

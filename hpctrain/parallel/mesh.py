@@ -1,28 +1,25 @@
-"""One DeviceMesh with named dims for every strategy: ``pp`` (outermost, may cross nodes),
-``dp`` (or ``dp_replicate`` x ``dp_shard`` for HSDP) and ``tp`` (innermost: neighbouring
-ranks, the same node, the fastest links)."""
+"""The one DeviceMesh builder: every strategy's mesh is :func:`build_mesh` of the run's
+:class:`~hpctrain.core.topology.Topology`, with the dimensions the topology names, outermost
+first: ``pp`` (may cross nodes), ``dp`` (or ``dp_replicate`` x ``dp_shard`` for HSDP, with the
+flattened ``dp`` too), ``tp`` (innermost: neighbouring ranks, the same node, the fastest links).
+A new dimension changes the topology, not this module."""
 
 from __future__ import annotations
 
+import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpctrain.core.section import ConfigError
+from hpctrain.core.topology import Topology
 
 
-def build_mesh(*, world: int, dp: int, tp: int = 1, pp: int = 1, device_type: str = "cpu",
-               dp_replicate: int = 1) -> DeviceMesh:
-    """A mesh ``(pp, dp, tp)``, or ``(pp, dp_replicate, dp_shard, tp)`` when ``dp_replicate > 1``;
-    under HSDP the flattened ``dp`` dim is there too, for the loader's rank within dp."""
-    if dp * tp * pp != world:
-        raise ConfigError(f"mesh dp ({dp}) x tp ({tp}) x pp ({pp}) = {dp * tp * pp} != world size {world}")
-    if dp_replicate <= 1:
-        return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    if dp % dp_replicate:
-        raise ConfigError(f"mesh dp_replicate ({dp_replicate}) must divide dp ({dp})")
-    mesh = init_device_mesh(device_type, (pp, dp_replicate, dp // dp_replicate, tp),
-                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+def build_mesh(topology: Topology, device: torch.device | str = "cpu") -> DeviceMesh:
+    """The mesh :meth:`Topology.dims` lays out over the world's ranks on ``device``'s type, with
+    each of :meth:`Topology.flattened`'s dimensions (HSDP's ``dp``) flattened from its parts."""
+    device_type = device.type if isinstance(device, torch.device) else device
+    mesh = init_device_mesh(device_type, topology.shape(), mesh_dim_names=topology.names())
+    for name, parts in topology.flattened().items():
+        mesh[parts]._flatten(name)
     return mesh
 
 

@@ -26,14 +26,11 @@ from torch import nn
 
 from hpctrain.core.errors import HpctrainError
 from hpctrain.models.user import ModelError
+from hpctrain.telemetry.measure import on_meta
+
+__all__ = ["Structure", "build_structure", "materialize", "meta_copy", "on_meta"]
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
-    """The model's structure without memory for its weights."""
-    with torch.device("meta"):
-        return factory()
 
 
 @dataclass

@@ -5,11 +5,14 @@ interleaved 1F1B), and a schedule (GPipe, 1F1B, interleaved 1F1B) runs the micro
 The schedule runs forward and backward, so the training loop calls a step function,
 :class:`PipelineStep`, instead of ``model(inputs)`` + ``loss.backward()``.
 
-Model contract (manual split): ``model.blocks`` is an ``nn.ModuleList``; the top-level
-children registered before ``blocks`` run before it (embeddings), those after it run after
-it (final norm, head); ``forward`` skips a child that is None, and takes hidden states
-instead of token ids when the embeddings are gone. Tied weights between the two ends are
-not supported (each end would train its own copy).
+The cut is the model family's :class:`~hpctrain.models.family.PipelineSplit`: which
+``nn.ModuleList`` holds the blocks, which parts only the first stage (embeddings) and the last
+(final norm, head) keep, and the stage module that runs a cut model. The default family's is
+the ``blocks`` layout: the top-level children registered before ``blocks`` run before it, those
+after it after it, and ``forward`` skips a child that is None and takes hidden states instead
+of token ids when the embeddings are gone. A stage keeps the whole model's parameter names
+(its blocks renumbered from 0). Tied weights between the two ends are not supported (each end
+would train its own copy).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from hpctrain.estimate.model import stage_layers
+from hpctrain.models.family import PipelineSplit, family_of
+from hpctrain.models.shape import stage_layers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -33,7 +37,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def split_blocks(n_blocks: int, n_stages: int) -> list[range]:
     """Consecutive block ranges, as even as possible; any number of blocks >= stages (uneven
     stages: 5 blocks on 2 stages are 2 + 3, Llama 3 405B's 126 on 16 are 7, 8 x 14, 7). The
-    estimator's rule (:func:`hpctrain.estimate.model.stage_layers`), so ``hpctrain estimate
+    estimator's rule (:func:`hpctrain.models.shape.stage_layers`), so ``hpctrain estimate
     --pp`` sizes the stages a run builds: a remainder goes to the middle stages, then the last,
     then the first, which holds the embedding and, under 1F1B, the most micro-batches in flight."""
     if n_blocks < n_stages:
@@ -43,36 +47,63 @@ def split_blocks(n_blocks: int, n_stages: int) -> list[range]:
     return [range(start, stop) for start, stop in zip(bounds, bounds[1:])]
 
 
-def _ends(model: nn.Module) -> tuple[list[str], list[str]]:
-    names = [name for name, _ in model.named_children()]
-    if "blocks" not in names or not isinstance(model.blocks, nn.ModuleList):
-        raise ValueError(f"pipeline parallel needs the model's transformer blocks as `blocks` (an nn.ModuleList); "
+def model_split(model: nn.Module) -> PipelineSplit:
+    """The pipeline split of ``model``'s family; a ValueError when it has none (or no such blocks)."""
+    split = family_of(model).pipeline_split_of(model)
+    blocks = _submodule(model, split.blocks) if split is not None else None
+    if split is None or not isinstance(blocks, nn.ModuleList):
+        where = f"`{split.blocks}`" if split is not None else "`blocks`"
+        raise ValueError(f"pipeline parallel needs the model's transformer blocks as {where} (an nn.ModuleList); "
                          f"{type(model).__name__} has none")
-    cut = names.index("blocks")
-    return names[:cut], names[cut + 1:]
+    return split
 
 
-def _check_untied(model: nn.Module, before: list[str], after: list[str]) -> None:
-    def ids(names: list[str]) -> set[int]:
-        return {id(p) for name in names for p in getattr(model, name).parameters()}
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _check_untied(model: nn.Module, before: Sequence[str], after: Sequence[str]) -> None:
+    def ids(paths: Sequence[str]) -> set[int]:
+        return {id(p) for path in paths for p in _parameters(model, path)}
 
     if ids(before) & ids(after):
         raise ValueError("pipeline parallel: the embedding and the head share weights (weight tying); "
                          "hint: untie them (e.g. the gpt model's tie_weights=false) for parallel.pp > 1")
 
 
+def _parameters(model: nn.Module, path: str) -> list[nn.Parameter]:
+    part = _submodule(model, path)
+    return list(part.parameters()) if part is not None else []
+
+
+def _replace(model: nn.Module, path: str, value: nn.Module | None) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, value)
+
+
 def stage_module(model: nn.Module, stage: int, n_stages: int, *, copy_model: bool = False) -> nn.Module:
-    """``model`` cut down to stage ``stage`` of ``n_stages`` (in place unless ``copy_model``)."""
-    before, after = _ends(model)
-    _check_untied(model, before, after)
+    """``model`` cut down to stage ``stage`` of ``n_stages`` (in place unless ``copy_model``), as
+    its family's split says: the stage's blocks, the first/last stage's ends, the stage module."""
+    split = model_split(model)
+    _check_untied(model, split.first, split.last)
     part = copy.deepcopy(model) if copy_model else model
-    blocks = part.get_submodule("blocks")
-    assert isinstance(blocks, nn.ModuleList)  # checked by _ends
+    blocks = part.get_submodule(split.blocks)
+    assert isinstance(blocks, nn.ModuleList)  # checked by model_split
     keep = split_blocks(len(blocks), n_stages)[stage]
-    part.blocks = nn.ModuleList(blocks[i] for i in keep)
-    for name in (before if stage > 0 else []) + (after if stage < n_stages - 1 else []):
-        setattr(part, name, None)
-    return part
+    _replace(part, split.blocks, nn.ModuleList(blocks[i] for i in keep))
+    for path in (split.first if stage > 0 else ()) + (split.last if stage < n_stages - 1 else ()):
+        _replace(part, path, None)
+    return split.stage(part) if split.stage is not None else part
+
+
+def check_split(model: nn.Module, n_stages: int) -> None:
+    """Can ``model`` (built on meta) be cut into ``n_stages``? A ValueError says why not."""
+    split = model_split(model)
+    _check_untied(model, split.first, split.last)
+    split_blocks(len(list(model.get_submodule(split.blocks).children())), n_stages)
 
 
 def local_stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int) -> list[int]:
@@ -93,8 +124,9 @@ class PipelineStep:
 
     def __init__(self, stages: Sequence[PipelineStage], modules: Sequence[nn.Module], *, schedule: str,
                  microbatches: int, loss_fn: LossFn, group: dist.ProcessGroup, grad_accum: int = 1,
-                 block_offsets: Sequence[int] | None = None) -> None:
+                 block_offsets: Sequence[int] | None = None, blocks_path: str = "blocks") -> None:
         self.modules, self.microbatches, self.group = list(modules), microbatches, group
+        self.blocks_path = blocks_path.split(".")  # where the stage's blocks are (the family's split)
         # Global index of each local module's first block: names in checkpoints are the whole model's.
         self.block_offsets = list(block_offsets) if block_offsets is not None else [0] * len(self.modules)
         # This rank's stage module, or its stages in an nn.ModuleList (interleaved 1F1B): what the
@@ -119,13 +151,15 @@ class PipelineStep:
 
     def global_name(self, fqn: str) -> str:
         """A name in :attr:`model` as the whole (unpipelined) model has it: the stage's
-        ``blocks.i`` renumbered to the global block index (and the ModuleList index dropped)."""
+        ``blocks.i`` (the split's blocks path) renumbered to the global block index (and the
+        ModuleList index dropped)."""
         parts = fqn.split(".")
         index = 0
         if len(self.modules) > 1:
             index, parts = int(parts[0]), parts[1:]
-        if len(parts) > 1 and parts[0] == "blocks":
-            parts[1] = str(int(parts[1]) + self.block_offsets[index])
+        depth = len(self.blocks_path)
+        if len(parts) > depth and parts[:depth] == self.blocks_path:
+            parts[depth] = str(int(parts[depth]) + self.block_offsets[index])
         return ".".join(parts)
 
     def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -190,11 +224,11 @@ def build_pipeline(model: nn.Module, *, pp_group: dist.ProcessGroup, device: tor
     pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
     ids = local_stage_ids(pp_rank, pp, schedule, virtual_stages)
     n_stages = pp * len(ids)
-    _ends(model)  # the contract checked before `blocks` is read
-    offsets = [split_blocks(len(list(model.get_submodule("blocks").children())), n_stages)[i].start for i in ids]
+    split = model_split(model)  # the contract checked before the blocks are read
+    offsets = [split_blocks(len(list(model.get_submodule(split.blocks).children())), n_stages)[i].start for i in ids]
     modules = [stage_module(model, i, n_stages, copy_model=len(ids) > 1) for i in ids]
     if wrap is not None:
         modules = [wrap(m) for m in modules]
     stages = [PipelineStage(m, i, n_stages, device, group=pp_group) for m, i in zip(modules, ids)]
     return PipelineStep(stages, modules, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
-                        group=pp_group, grad_accum=grad_accum, block_offsets=offsets)
+                        group=pp_group, grad_accum=grad_accum, block_offsets=offsets, blocks_path=split.blocks)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hpctrain.checkpoint import dcp_read
 from hpctrain.checkpoint.state import CheckpointMismatchError
+from hpctrain.parallel import dcp_read
 from hpctrain.parallel.pipeline import PipelineStep
 from hpctrain.parallel.state import ShardedState, flat, optimizer_flattened
 

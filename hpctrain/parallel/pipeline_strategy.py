@@ -16,20 +16,34 @@ from hpctrain.config.parallel import ParallelConfig
 from hpctrain.core.env import collective_device
 from hpctrain.core.section import ConfigError
 from hpctrain.evaluation.evaluate import EvalResult
-from hpctrain.evaluation.metrics import Metric
 from hpctrain.evaluation.pipeline import evaluate_pipeline
+from hpctrain.models.family import family_for
+from hpctrain.models.registry import build_model
+from hpctrain.models.user import CAUSAL_LM
 from hpctrain.parallel.base import Factory, Strategy, _nothing
 from hpctrain.parallel.clip import clip_grad_norm_
-from hpctrain.parallel.pipeline import PipelineStep, build_pipeline
+from hpctrain.parallel.meta import on_meta
+from hpctrain.parallel.pipeline import PipelineStep, build_pipeline, check_split
 from hpctrain.parallel.pipeline_state import PipelineState
 from hpctrain.parallel.state import ModelState
+from hpctrain.tasks.metrics import Metric
 from hpctrain.weights.export import Source, pipeline_source
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
+    from hpctrain.core.topology import Topology
     from hpctrain.data import EvalBatches
-    from hpctrain.parallel.plan import Plan
     from hpctrain.tasks import Task
+
+
+def _check_users_split(cfg: Config, stages: int) -> None:
+    """A user's model (built on meta: no memory) cut by its family's split, before the process group."""
+    model = on_meta(lambda: build_model(cfg.model.name, cfg.model.num_classes, config=cfg.model, task=CAUSAL_LM))
+    try:
+        check_split(model, stages)
+    except ValueError as err:
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp} cannot cut model.name={cfg.model.name} into {stages} "
+                          f"stages: {err}") from err
 
 
 class Pipeline(Strategy):
@@ -41,8 +55,8 @@ class Pipeline(Strategy):
         return "dcp"
 
     @classmethod
-    def check(cls, cfg: Config, plan: Plan) -> None:
-        super().check(cfg, plan)
+    def check(cls, cfg: Config, topology: Topology) -> None:
+        super().check(cfg, topology)
         p = cfg.parallel
         if cfg.train.compile or p.meta_init:
             raise ConfigError(f"parallel.pp={p.pp} builds its stages without train.compile or parallel.meta_init "
@@ -52,20 +66,26 @@ class Pipeline(Strategy):
             # mask: padding samples would be trained on as real ones
             raise ConfigError(f"parallel.pp={p.pp} needs data.drop_last=true (a pipeline cannot leave the last "
                               "step's padding samples out); hint: data.drop_last=true")
-        if cfg.model.tie_weights and cfg.model.name in ("gpt", "llama"):
+        # a family sized by the model section (the built-in ones) is checked by its shape here;
+        # users' models when their stages are cut
+        family = family_for(cfg.model)
+        shape = family.shape(cfg.model) if family is not None and family.shape is not None else None
+        if shape is not None and shape.tied:
             raise ConfigError(f"parallel.pp={p.pp}: the first and last stages cannot share the tied embedding; "
                               "hint: model.tie_weights=false")
         stages = p.pp * (p.virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1)
-        if cfg.model.name in ("gpt", "llama") and cfg.model.n_layers < stages:
+        if shape is not None and shape.layers < stages:
             # any count >= the stages splits (unevenly if need be); fewer leaves a stage empty
             raise ConfigError(f"parallel.pp={p.pp} makes {stages} pipeline stages, more than model.n_layers="
                               f"{cfg.model.n_layers} blocks; hint: model.n_layers>={stages}, or a lower parallel.pp"
                               + (" or parallel.virtual_stages" if stages > p.pp else ""))
+        if shape is None and ":" in cfg.model.name:
+            _check_users_split(cfg, stages)
 
     def __init__(self, *args: Any, stage: type[Strategy], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # what wraps each stage: the configured data-parallel strategy, on the same mesh
-        self.stage_strategy = stage(self.plan, self.env, self.device, self.cfg, precision=self.precision_mode,
+        self.stage_strategy = stage(self.topology, self.env, self.device, self.cfg, precision=self.precision_mode,
                                     seed=self.seed, mesh=self.mesh)
         self.step: PipelineStep | None = None
 
@@ -77,7 +97,7 @@ class Pipeline(Strategy):
         self.step = build_pipeline(factory().to(self.device), pp_group=self.mesh["pp"].get_group(),
                                    device=self.device, schedule=self.cfg.pp_schedule,
                                    microbatches=self.cfg.microbatches, loss_fn=lambda out, tgt: loss_fn(out, tgt, None),
-                                   virtual_stages=self.cfg.virtual_stages, grad_accum=self.plan.grad_accum,
+                                   virtual_stages=self.cfg.virtual_stages, grad_accum=self.grad_accum,
                                    wrap=self.stage_strategy.parallelize)
         return self.step.model
 
@@ -109,10 +129,10 @@ class Pipeline(Strategy):
 
     def export_source(self) -> Source:
         assert self.step is not None
-        step = self.step
+        step, topo, rank = self.step, self.topology, self.env.rank
         # one rank of each stage owns its names: replica 0's tp rank 0
         return pipeline_source({step.global_name(k): v for k, v in step.model.state_dict().items()},
-                               sender=self.plan.dp_rank == 0 and self.env.rank % self.plan.tp == 0,
+                               sender=topo.dp_rank(rank) == 0 and rank % topo.tp == 0,
                                rank=self.env.rank, device=collective_device())
 
     def evaluate(self, loader: EvalBatches, metrics: Sequence[Metric], task: Task, *,
@@ -122,4 +142,4 @@ class Pipeline(Strategy):
         assert self.step is not None
         self.sync_buffers()
         return evaluate_pipeline(self.step, loader, metrics, self.env, self.device, self.precision, task=task,
-                                 batch_size=batch_size, leader=self.env.rank % self.plan.tp == 0)
+                                 batch_size=batch_size, leader=self.env.rank % self.topology.tp == 0)

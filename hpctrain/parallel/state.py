@@ -1,30 +1,43 @@
-"""Model and optimizer as a checkpoint sees them, supplied by the strategy that holds them.
+"""Model and optimizer as a checkpoint sees them: the views of hpctrain's own on-disk formats.
 
 The checkpointer (hpctrain.checkpoint) saves a mapping of ``Stateful`` objects and knows no
-strategy. The entry for model + optimizer is one of these views: it says which format fits
-(``torch``: whole tensors that rank 0 writes; ``dcp``: every rank's shards through
-torch.distributed.checkpoint), gives its state for that format, and loads either format back
-(a DDP checkpoint into FSDP shards, a sharded one into a whole model, at any world size).
+strategy. The entry for model + optimizer is a :class:`~hpctrain.checkpoint.view.CheckpointView`
+made by the strategy that holds them: ``torch`` (:class:`WholeState`: whole tensors in the
+replicated files, rank 0 writes them) or ``dcp`` (:class:`ShardedState`: every rank's shards
+through torch.distributed.checkpoint, under the whole model's names). Each loads the other
+format too: a DDP checkpoint into FSDP shards, a sharded one into a whole model, at any world
+size. Both register themselves here; :mod:`hpctrain.parallel.checkpoint_formats` names them by
+import path for commands that load no torch.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from hpctrain.checkpoint.state import CheckpointMismatchError
+from hpctrain.checkpoint import layout
+from hpctrain.checkpoint.checkpointer import load_replicated
+from hpctrain.checkpoint.state import REPLICATED, CheckpointMismatchError
+from hpctrain.checkpoint.view import CheckpointView, manifest_format, register_format
 from hpctrain.checkpoint.writer import storage_ptr
+from hpctrain.core.errors import agree
+from hpctrain.core.modules import unwrap
+from hpctrain.core.safe_pickle import UnsafePickleError
 from hpctrain.parallel.buffers import ddp_sync_buffers
-from hpctrain.parallel.wrappers import unwrap
+from hpctrain.weights.export import LiveBytes, Source, TensorSpec, dict_source
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+WHOLE, DCP = "torch", "dcp"  # the formats' names in a manifest
+SHARDED_DIR = "sharded"  # format=dcp: the DCP files, inside the checkpoint directory
 
 def dcp_api() -> ModuleType:
     """torch's DCP state-dict API, imported on first use: DTensor and sympy come with it, 0.8 s
@@ -46,27 +59,16 @@ def _mismatch(source: Any, err: Exception) -> CheckpointMismatchError:
         "resume with the model.name and model.num_classes that wrote it, or resume=never")
 
 
-class ModelState(Protocol):
-    """What the checkpointer needs of the model + optimizer entry (see WholeState for each method)."""
-
-    format: str
-    strategy: str
-    optimizer: torch.optim.Optimizer
-
-    def gather(self) -> None: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def sharded_state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any], source: Any = None) -> None: ...
-    def load_sharded(self, path: str, group: Any) -> None: ...
-    def live_tensors(self) -> dict[str, torch.Tensor] | None: ...
-    def step_storages(self) -> set[int]: ...
-    def nbytes(self) -> int: ...
+ModelState = CheckpointView  # the name strategies give their checkpoint_state()'s type
 
 
-class WholeState:
-    """A whole model and its optimizer on every rank (one process, DDP, ZeRO-1)."""
+class WholeState(CheckpointView):
+    """A whole model and its optimizer on every rank (one process, DDP, ZeRO-1): saved whole into
+    the replicated files (format=torch), or through DCP where ``checkpoint.format=dcp`` asks."""
 
-    format = "torch"
+    format = WHOLE
+    reads = (DCP,)
+    written_by = "a strategy other than deepspeed"
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "ddp") -> None:
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
@@ -74,13 +76,24 @@ class WholeState:
         # resume gives every rank the same (a strategy sets its own; default: a DDP model's group)
         self.before_save: Callable[[], None] = functools.partial(ddp_sync_buffers, model)
 
+    def for_format(self, name: str) -> CheckpointView:
+        """``checkpoint.format=dcp``: the same model saved through DCP (any split reads it)."""
+        if name != DCP or self.format == DCP:
+            return self
+        view = _DcpOf(self.model, self.optimizer, self.strategy)
+        view.before_save, view.whole = self.before_save, self
+        return view
+
     def gather(self) -> None:
         """Before a save, on every rank, whatever the format: buffers synced (a collective), and
         where the state is split (ZeRO-1) the optimizer state consolidated."""
         self.before_save()
 
+    def whole_state(self) -> dict[str, Any]:
+        return self.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"model": ..., "optimizer": ...}`` for this view's format; references, no copies."""
+        """``{"model": ..., "optimizer": ...}``, whole; references, no copies."""
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -88,6 +101,16 @@ class WholeState:
         entry per name, so any split of the model (fsdp at any world size, pp x dp, one process) reads it."""
         model_sd, optim_sd = dcp_api().get_state_dict(self.model, self.optimizer, options=flat())
         return {"model": model_sd, "optimizer": optim_sd}
+
+    def load(self, path: Path, manifest: dict[str, Any], replicated: dict[str, Any], group: Any) -> dict[str, Any]:
+        """A whole checkpoint's model and optimizer (already read, its bytes straight into the live
+        tensors), or a DCP checkpoint's (saved at any world size, by any split of the model)."""
+        if "model" in replicated:
+            agree(f"loading the model and optimizer of {path}", lambda: self.load_state_dict(
+                {"model": replicated["model"], "optimizer": replicated["optimizer"]}, path))
+        elif manifest_format(manifest) == DCP:
+            self.load_sharded(str(path / SHARDED_DIR), group)  # DCP exchanges its own errors
+        return {k: v for k, v in replicated.items() if k not in ("model", "optimizer")}
 
     def load_state_dict(self, state: dict[str, Any], source: Any = None) -> None:
         """Whole (format=torch) model and optimizer state."""
@@ -99,14 +122,14 @@ class WholeState:
 
     def load_sharded(self, path: str, group: Any) -> None:
         """A format=dcp checkpoint (saved at any world size, by any split of the model)."""
-        from hpctrain.checkpoint import dcp_read
+        from hpctrain.parallel import dcp_read  # torch's DCP (DTensor, sympy) loads on first use
 
         api = dcp_api()
         options = api.StateDictOptions(flatten_optimizer_state_dict=optimizer_flattened(path))
         model_sd, optim_sd = api.get_state_dict(self.model, self.optimizer, options=options)
         dcp_read.load({"model": model_sd, "optimizer": optim_sd}, path, process_group=group)
         api.set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=options)
+                           options=options)
 
     def live_tensors(self) -> dict[str, torch.Tensor] | None:
         """The model's live tensors by state-dict name: a whole checkpoint is read straight into them."""
@@ -127,6 +150,18 @@ class WholeState:
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def checked_module(self) -> nn.Module:
+        return self.model
+
+    @classmethod
+    def export(cls, path: Path) -> Source:
+        """The model of a whole-state checkpoint's replicated files, each file checked against its
+        manifest entry (size and checksum) while it is read."""
+        state = load_replicated(path, files=layout.read_manifest(path)["files"])
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+            raise layout.CheckpointError(f"{path / REPLICATED} holds no model state dict (crafted or corrupted)")
+        return dict_source(dict(state["model"]))
+
 
 class Zero1State(WholeState):
     """ZeRO-1: the optimizer state is split over the ranks; a save consolidates it on rank 0
@@ -136,11 +171,48 @@ class Zero1State(WholeState):
         super().gather()
         self.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # ZeroRedundancyOptimizer
 
+    def for_format(self, name: str) -> CheckpointView:
+        view = super().for_format(name)
+        if view is not self:
+            view.before_save = self.gather  # type: ignore[attr-defined]  # consolidated before DCP saves too
+        return view
+
 
 class ShardedState(WholeState):
-    """FSDP / tensor parallel: this rank's shards, saved through DCP under the whole model's names."""
+    """FSDP / tensor parallel: this rank's shards, saved through DCP under the whole model's names
+    (format=dcp: every rank writes its own files of ``sharded/``)."""
 
-    format = "dcp"
+    format = DCP
+    files_dir = SHARDED_DIR
+    reads = (WHOLE,)
+
+    def whole_state(self) -> dict[str, Any]:
+        return {}
+
+    def own_state(self) -> dict[str, Any]:
+        return self.sharded_state_dict()
+
+    def write(self, state: Any, directory: Path, rank: int, group: Any) -> list[Path]:
+        """DCP's save (a collective over ``group``) into ``directory/sharded``: this rank's
+        ``__<rank>_*`` files, and rank 0's ``.metadata``."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        target = directory / SHARDED_DIR
+        target.mkdir(parents=True, exist_ok=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(target), sync_files=True), process_group=group,
+                 no_dist=group is None and not dist.is_initialized())
+        mine = [p for p in target.iterdir() if p.name.startswith(f"__{rank}_")]
+        if rank == 0:
+            mine += [p for p in target.iterdir() if p.name == ".metadata"]
+        return sorted(mine)
+
+    def load(self, path: Path, manifest: dict[str, Any], replicated: dict[str, Any], group: Any) -> dict[str, Any]:
+        if "model" in replicated:  # a whole checkpoint (e.g. DDP's) resumed under FSDP
+            agree(f"loading the whole state of {path} into this rank's shards", lambda: self.load_state_dict(
+                {"model": replicated["model"], "optimizer": replicated["optimizer"]}, path))
+            return {k: v for k, v in replicated.items() if k not in ("model", "optimizer")}
+        return super().load(path, manifest, replicated, group)
 
     def load_state_dict(self, state: dict[str, Any], source: Any = None) -> None:
         """A whole (format=torch) checkpoint into shards: every rank keeps its own shard of each
@@ -161,11 +233,89 @@ class ShardedState(WholeState):
     def live_tensors(self) -> dict[str, torch.Tensor] | None:
         return None  # shards: a whole checkpoint is read into memory, then split (load_state_dict)
 
+    @classmethod
+    def check_files(cls, path: Path, names: set[str] | None = None) -> None:
+        """DCP's ``.metadata`` is a pickle that a consistent manifest does not make harmless: read it
+        with only DCP's own classes admitted, then check the items (each a torch.save zip) of the
+        files ``names`` (None: all) against safe_pickle's limits; a refusal makes the checkpoint
+        corrupt (skipped by ``resume=auto``), never code that runs."""
+        if names is not None and not (path / SHARDED_DIR / ".metadata").exists():
+            return  # not listed (crafted): the checksums of the listed files said so already, or DCP will
+        items = None if names is None else {n.split("/", 1)[1] for n in names if n.startswith(f"{SHARDED_DIR}/")}
+        check_dcp_metadata(path / SHARDED_DIR, items)
+
+    @classmethod
+    def export(cls, path: Path) -> Source:
+        """The model tensors of the DCP files, one at a time (never the optimizer state)."""
+        return dcp_source(path / SHARDED_DIR)
+
+
+class _DcpOf(ShardedState):
+    """A whole model saved through DCP (``checkpoint.format=dcp``), loaded as a whole model: a
+    whole checkpoint's bytes go straight into its live tensors."""
+
+    whole: WholeState
+
+    def load(self, path: Path, manifest: dict[str, Any], replicated: dict[str, Any], group: Any) -> dict[str, Any]:
+        return self.whole.load(path, manifest, replicated, group)
+
+    def load_state_dict(self, state: dict[str, Any], source: Any = None) -> None:
+        self.whole.load_state_dict(state, source)
+
+    def live_tensors(self) -> dict[str, torch.Tensor] | None:
+        return self.whole.live_tensors()
+
+
+# registered where they are defined, so a live view's module brings its formats (by class: the
+# by-path lines for torch-free commands are hpctrain.parallel.checkpoint_formats)
+register_format(WHOLE, WholeState, default=True)
+register_format(DCP, ShardedState)
+
+
+def check_dcp_metadata(path: Path, items: set[str] | None = None) -> None:
+    """DCP's ``.metadata`` of the directory ``path`` read with only DCP's classes admitted, and
+    the items of its files named in ``items`` (None: all) checked: a refusal is a
+    :class:`~hpctrain.checkpoint.layout.CheckpointError`, an unreadable file an
+    :class:`~hpctrain.checkpoint.layout.UnreadableCheckpointError`."""
+    from hpctrain.parallel import dcp_read  # torch's DCP (DTensor, sympy) loads on first use
+
+    try:
+        dcp_read.check_items(path, dcp_read.read_metadata(path), items)
+    except UnsafePickleError as err:
+        raise layout.CheckpointError(str(err)) from err
+    except OSError as err:
+        raise layout.unreadable(Path(err.filename) if err.filename else path / ".metadata", err) from err
+
+
+def dcp_source(path: Path, prefix: str = "model.") -> Source:
+    """The model tensors of a DCP checkpoint directory, read one at a time without a process
+    group (``no_dist``): the metadata lists them; the optimizer state is never read."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hpctrain.parallel import dcp_read  # torch's DCP (DTensor, sympy) loads on first use
+
+    metadata = dcp_read.read_metadata(path)
+    specs = sorted(TensorSpec(key[len(prefix):], meta.properties.dtype, tuple(meta.size))
+                   for key, meta in metadata.state_dict_metadata.items()
+                   if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata))
+    live = LiveBytes()
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for spec in specs:
+            tensor = live.track(torch.empty(spec.shape, dtype=spec.dtype))
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_read.load({prefix + spec.name: tensor}, path, no_dist=True)
+            yield tensor
+            del tensor
+
+    return Source(specs, tensors(), live)
+
 
 def optimizer_flattened(path: str) -> bool:
     """Did the save flatten the optimizer (``optimizer.param_groups.<name>.<key>`` entries)?
     Checkpoints written before it was saved flattened load too."""
-    from hpctrain.checkpoint import dcp_read
+    from hpctrain.parallel import dcp_read  # torch's DCP (DTensor, sympy) loads on first use
 
     names = dcp_read.read_metadata(path).state_dict_metadata
     return any(name.startswith("optimizer.param_groups.") for name in names)

@@ -1,4 +1,7 @@
-"""Tensor parallelism with DTensor's ``parallelize_module`` (Megatron-style plans).
+"""Tensor parallelism with DTensor's ``parallelize_module`` (Megatron-style plans), applying the
+model family's :class:`~hpctrain.models.family.TensorPlan` (which modules of a block split by
+columns or rows, the vocabulary-parallel ends, the heads tp must divide): this module names no
+model.
 
 In every transformer block, the attention's q, k, v and the MLP's up (and, in a SwiGLU MLP,
 gate) projections are split by output columns (each rank computes a slice of the heads / hidden
@@ -30,34 +33,43 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from hpctrain.config.parallel import SHARDED
+from hpctrain.core.section import ConfigError
+from hpctrain.models.family import BLOCK_LAYERS, TensorPlan, family_of
+from hpctrain.models.registry import build_model
+from hpctrain.models.user import CAUSAL_LM
+from hpctrain.parallel.meta import on_meta
+
 if TYPE_CHECKING:
     from hpctrain.config import Config
-    from hpctrain.parallel.plan import Plan
-
-COLUMN = ("q", "k", "v", "gate", "up")  # split the output features
-ROW = ("o", "down")  # split the input features, sum the partial outputs
-NORMS = (nn.LayerNorm, nn.RMSNorm)
+    from hpctrain.core.topology import Topology
 
 
-def block_plan(block: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The plan for one block, found by module names (q, k, v, gate, o, up, down) and norm types."""
-    plan: dict[str, ParallelStyle] = {}
+def block_plan(block: nn.Module, plan: TensorPlan | None = None, *,
+               sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The styles for one block, found by the family's module-name patterns (default: the
+    ``blocks`` layout's q, k, v, gate, up / o, down and its norm types)."""
+    plan = plan or _BLOCKS_PLAN
+    styles: dict[str, ParallelStyle] = {}
     row_output = Shard(1) if sequence_parallel else Replicate()
     for name, module in block.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and leaf in COLUMN:
-            plan[name] = ColwiseParallel()
+        style = plan.style(name, module) if name else None
+        if style == "colwise":
+            styles[name] = ColwiseParallel()
             if sequence_parallel:
-                plan[_parent(name)] = _gather_sequence()
-        elif isinstance(module, nn.Linear) and leaf in ROW:
+                styles[_parent(name)] = _gather_sequence()
+        elif style == "rowwise":
             # under sequence parallel the residual stream stays a DTensor, so keep o/down's output one
-            plan[name] = RowwiseParallel(output_layouts=row_output, use_local_output=not sequence_parallel)
-        elif sequence_parallel and isinstance(module, NORMS):
-            plan[name] = SequenceParallel()
-    if not any(isinstance(style, ColwiseParallel) for style in plan.values()):
-        raise ValueError(f"tensor parallel found no Linear named {'/'.join(COLUMN)} in {type(block).__name__}; "
-                         "hint: name the attention projections q, k, v, o and the MLP's up, down")
-    return plan
+            styles[name] = RowwiseParallel(output_layouts=row_output, use_local_output=not sequence_parallel)
+        elif sequence_parallel and style == "sequence_parallel":
+            styles[name] = SequenceParallel()
+    if not any(isinstance(style, ColwiseParallel) for style in styles.values()):
+        names = "/".join(plan.column_names)
+        raise ValueError(f"tensor parallel found no Linear named {names} in {type(block).__name__}; "
+                         "hint: name the attention projections q, k, v, o and the MLP's up, down"
+                         + ("" if plan is _BLOCKS_PLAN else ", or give the model a family with its own tensor plan "
+                            "(model.family, docs/models.md)"))
+    return styles
 
 
 def _parent(name: str) -> str:
@@ -69,45 +81,91 @@ def _gather_sequence() -> ParallelStyle:
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
 
 
-def apply_tp(model: nn.Module, *, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Parallelize every block of ``model.blocks`` over the 1D ``mesh`` (the ``tp`` dim)."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"tensor parallel needs the model's transformer blocks as `blocks` (an nn.ModuleList); "
+def model_plan(model: nn.Module) -> tuple[TensorPlan, nn.ModuleList]:
+    """The tensor plan of ``model``'s family and the blocks it splits; a ValueError names what is missing."""
+    family = family_of(model)
+    plan = family.tensor_plan_of(model)
+    blocks = _submodule(model, plan.blocks) if plan is not None else None
+    if plan is None or not isinstance(blocks, nn.ModuleList):
+        where = f"`{plan.blocks}`" if plan is not None else "`blocks`"
+        raise ValueError(f"tensor parallel needs the model's transformer blocks as {where} (an nn.ModuleList); "
                          f"{type(model).__name__} has none")
-    for block in blocks:
-        parallelize_module(block, mesh, block_plan(block, sequence_parallel=sequence_parallel))
+    return plan, blocks
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def apply_tp(model: nn.Module, *, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """Parallelize every block of ``model`` over the 1D ``mesh`` (the ``tp`` dim) by its family's plan."""
+    plan, blocks = model_plan(model)
     if sequence_parallel:
-        _shard_sequence_edges(model, blocks, mesh)
-    if getattr(model, "vocab_parallel", False):
-        _shard_vocabulary(model, mesh)
+        _check_sequence_styles(model)
+    for block in blocks:
+        parallelize_module(block, mesh, block_plan(block, plan, sequence_parallel=sequence_parallel))
+        _localize_heads(block, plan, mesh.size())
+    if sequence_parallel:
+        _shard_sequence_edges(blocks, mesh)
+    if plan.ends:
+        _shard_vocabulary(model, plan, mesh)
     return model
 
 
-def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh) -> None:
+def _has_sequence_styles(plan: TensorPlan) -> bool:
+    return bool(plan.norms) or "sequence_parallel" in plan.layers.values()
+
+
+def _check_sequence_styles(model: nn.Module) -> None:
+    if not _has_sequence_styles(model_plan(model)[0]):
+        raise ValueError(f"parallel.sequence_parallel: the tensor plan of {type(model).__name__} names no norm "
+                         "to run on a sequence shard")
+
+
+def _localize_heads(block: nn.Module, plan: TensorPlan, tp: int) -> None:
+    """Head counts a module reshapes by (``plan.divide``) become this rank's: heads / tp."""
+    for module in block.modules():
+        for attr in plan.divide:
+            count = getattr(module, attr, None)
+            if isinstance(count, int):
+                setattr(module, attr, count // tp)
+
+
+def _ends(model: nn.Module, plan: TensorPlan, style: str) -> tuple[str, nn.Module] | None:
+    for path, kind in plan.ends.items():
+        module = _submodule(model, path) if kind == style else None
+        if module is not None:
+            return path, module
+    return None
+
+
+def _shard_vocabulary(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
     """Megatron's vocabulary-parallel ends (the llama's plan): each rank holds V/tp rows of the
     token embedding (it looks up its own rows; the partial sums are all-reduced) and of the
     output projection (its slice of the logits, all-gathered), so tp divides every large matrix,
     as ``hpctrain estimate --tp`` assumes. A pipeline stage may hold neither end (None). Tied
     weights: both ends shard the (V, h) matrix by rows, so the head takes the embedding's again."""
-    emb, head = getattr(model, "tok_emb", None), getattr(model, "head", None)
-    tied = emb is not None and head is not None and head.weight is emb.weight
-    plan: dict[str, ParallelStyle] = {}
+    emb, head = _ends(model, plan, "embedding"), _ends(model, plan, "head")
+    tied = emb is not None and head is not None and head[1].weight is emb[1].weight
+    styles: dict[str, ParallelStyle] = {}
     if emb is not None:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate())
+        styles[emb[0]] = RowwiseParallel(input_layouts=Replicate())
     if head is not None:
-        plan["head"] = ColwiseParallel(output_layouts=Replicate())
-    parallelize_module(model, mesh, plan)
+        styles[head[0]] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, mesh, styles)
     if emb is not None:
         # the all-reduced rows come back as a not-yet-waited collective, a wrapper without storage
         # of its own, which the first block would save for backward: a copy (any non-view op)
         # waits and gives a plain tensor inside autograd's graph (.wait() would leave the graph)
-        emb.register_forward_hook(lambda _m, _i, out: out.clone() if isinstance(out, AsyncCollectiveTensor) else out)
+        emb[1].register_forward_hook(lambda _m, _i, out: out.clone() if isinstance(out, AsyncCollectiveTensor) else out)
     if tied and emb is not None and head is not None:  # each got its own sharded Parameter: share one again
-        head.weight = emb.weight
+        head[1].weight = emb[1].weight
 
 
-def _shard_sequence_edges(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh) -> None:
+def _shard_sequence_edges(blocks: nn.ModuleList, mesh: DeviceMesh) -> None:
     """Enter sequence sharding at the first block, leave it (gather) before the final norm/head."""
     first = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
     parallelize_module(blocks[0], mesh, first)
@@ -116,54 +174,59 @@ def _shard_sequence_edges(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceM
     last.register_forward_hook(lambda _m, _i, out: out.redistribute(placements=[Replicate()]).to_local())
 
 
-
 def check_tp_model(model: nn.Module, tp: int) -> None:
     """Can :func:`apply_tp` split ``model`` (built on meta: no memory) over ``tp`` ranks? A
     ValueError names what is missing or indivisible, before any rank starts."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-        raise ValueError(f"tensor parallel needs the model's transformer blocks as `blocks` (an nn.ModuleList); "
-                         f"{type(model).__name__} has none")
+    plan, blocks = model_plan(model)
+    if len(blocks) == 0:
+        raise ValueError(f"tensor parallel needs the model's transformer blocks as `{plan.blocks}` (an "
+                         f"nn.ModuleList); {type(model).__name__} has none")
     for index, block in enumerate(blocks):
-        block_plan(block)  # finds the q/k/v/up columns, or says which names it looked for
+        block_plan(block, plan)  # finds the column-split projections, or says which names it looked for
         for name, module in block.named_modules():
-            _check_divisible(f"blocks.{index}.{name}", module, tp)
-    emb = getattr(model, "tok_emb", None)
-    if getattr(model, "vocab_parallel", False) and isinstance(emb, nn.Embedding) and emb.num_embeddings % tp:
-        raise ValueError(f"the vocabulary ({emb.num_embeddings} tokens, model.vocab) is not divisible by tp={tp} "
+            _check_divisible(f"{plan.blocks}.{index}.{name}", name, module, plan, tp)
+    emb = _ends(model, plan, "embedding")
+    if emb is not None and isinstance(emb[1], nn.Embedding) and emb[1].num_embeddings % tp:
+        raise ValueError(f"the vocabulary ({emb[1].num_embeddings} tokens, model.vocab) is not divisible by tp={tp} "
                          "(the embedding and output are split by vocabulary rows)")
 
 
-def _check_divisible(name: str, module: nn.Module, tp: int) -> None:
-    leaf = name.rsplit(".", 1)[-1]
-    if isinstance(module, nn.Linear) and leaf in COLUMN + ROW:
-        width = module.out_features if leaf in COLUMN else module.in_features
+def _check_divisible(where: str, name: str, module: nn.Module, plan: TensorPlan, tp: int) -> None:
+    style = plan.style(name, module) if name else None
+    if isinstance(module, nn.Linear) and style in ("colwise", "rowwise"):
+        width = module.out_features if style == "colwise" else module.in_features
         if width % tp:
-            raise ValueError(f"{name} has {width} {'output' if leaf in COLUMN else 'input'} features, "
+            raise ValueError(f"{where} has {width} {'output' if style == 'colwise' else 'input'} features, "
                              f"not divisible by tp={tp}")
     head_dim = getattr(module, "head_dim", None)
-    for proj, what in (("q", "heads"), ("k", "key/value heads (model.kv_heads)")):
-        linear = getattr(module, proj, None)
+    for proj, what in plan.heads:
+        linear = _head_projection(module, proj)
         if isinstance(head_dim, int) and isinstance(linear, nn.Linear) and (linear.out_features // head_dim) % tp:
-            raise ValueError(f"{name} has {linear.out_features // head_dim} {what}, not divisible by tp={tp} "
+            raise ValueError(f"{where} has {linear.out_features // head_dim} {what}, not divisible by tp={tp} "
                              "(each rank computes whole heads)")
 
 
-def check_tensor_parallel(cfg: Config, plan: Plan) -> None:
-    """parallel.tp > 1 splits the q/k/v/gate/o/up/down Linears of the model's ``blocks`` (gpt, llama):
-    any other model, or widths tp does not divide, fails here, before the process group. The
-    model is built on meta (no memory)."""
-    from hpctrain.config.parallel import SHARDED
-    from hpctrain.core.section import ConfigError
-    from hpctrain.models import build_model
-    from hpctrain.parallel.meta import on_meta
+def _head_projection(module: nn.Module, pattern: str) -> nn.Module | None:
+    """The child of ``module`` named by the last part of ``pattern`` (the parent holds ``head_dim``)."""
+    return getattr(module, pattern.rsplit(".", 1)[-1], None)
 
+
+_BLOCKS_PLAN = TensorPlan(blocks="blocks", layers=BLOCK_LAYERS, norms=(nn.LayerNorm, nn.RMSNorm))
+# the `blocks` layout's names (the planner's count of split weights): split outputs, split inputs
+COLUMN = tuple(name for name, style in _BLOCKS_PLAN.layers.items() if style == "colwise")
+ROW = tuple(name for name, style in _BLOCKS_PLAN.layers.items() if style == "rowwise")
+
+
+def check_tensor_parallel(cfg: Config, topology: Topology) -> None:
+    """parallel.tp > 1 splits the blocks of a model whose family has a tensor plan (gpt, llama, Hugging
+    Face Llama/Mistral/Qwen2, a ``blocks`` layout): any other model, or widths tp does not divide,
+    fails here, before the process group. The model is built on meta (no memory)."""
     p, name = cfg.parallel, cfg.model.name
-    if cfg.precision == "fp16" and (plan.dp == 1 or p.strategy not in SHARDED):
+    if cfg.precision == "fp16" and (topology.dp == 1 or p.strategy not in SHARDED):
         # without FSDP over dp the embedding, norms and head stay plain tensors beside the DTensor
         # blocks, and the fp16 scaler's unscale cannot take both in one call
         raise ConfigError(f"precision=fp16 with parallel.tp={p.tp} needs data parallelism under "
-                          f"parallel.strategy=fsdp or hsdp (got dp={plan.dp}, strategy={p.strategy}); hint: "
+                          f"parallel.strategy=fsdp or hsdp (got dp={topology.dp}, strategy={p.strategy}); hint: "
                           "precision=bf16 (no loss scaling needed), or more ranks with parallel.strategy=fsdp")
     if cfg.train.compile and p.activation_checkpointing != "none":
         # torch 2.13's compiled activation checkpointing saves the DTensors' DeviceMesh for its
@@ -171,12 +234,18 @@ def check_tensor_parallel(cfg: Config, plan: Plan) -> None:
         raise ConfigError(f"parallel.tp={p.tp} with train.compile=true and parallel.activation_checkpointing="
                           f"{p.activation_checkpointing} fails inside torch.compile (DTensor in a checkpointed "
                           "region); hint: parallel.activation_checkpointing=none, or train.compile=false")
-    model = on_meta(lambda: build_model(name, cfg.model.num_classes or None, config=cfg.model))
+    # a user's model is built as a causal LM (a factory may need vocab_size), with placeholder sizes
+    task = CAUSAL_LM if ":" in name else None
+    model = on_meta(lambda: build_model(name, cfg.model.num_classes or None, config=cfg.model, task=task))
     try:
         check_tp_model(model, p.tp)
+        if p.sequence_parallel:
+            _check_sequence_styles(model)
     except ValueError as err:
         hint = ("a parallel.tp that divides that count (every rank computes whole heads and equal slices)"
                 if "not divisible" in str(err) else
-                "tensor parallelism runs on the gpt and llama (or a model with such `blocks`, see docs/parallel.md); "
+                "parallel.sequence_parallel=false" if "sequence_parallel" in str(err) else
+                "tensor parallelism runs on the models of a family with a tensor plan: gpt, llama, Hugging Face "
+                "Llama/Mistral/Qwen2, a model with such `blocks`, or your own (model.family, see docs/models.md); "
                 "for other models use parallel.tp=1 with parallel.strategy=fsdp")
         raise ConfigError(f"parallel.tp={p.tp} cannot split model.name={name}: {err}; hint: {hint}") from err

@@ -17,7 +17,7 @@ from hpctrain.parallel.state import ModelState, Zero1State
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
-    from hpctrain.parallel.plan import Plan
+    from hpctrain.core.topology import Topology
 
 
 def build_zero1(params: Iterable[torch.nn.Parameter], *, optimizer_class: type[torch.optim.Optimizer],
@@ -47,9 +47,9 @@ class Zero1(DDP):
     name = "zero1"
 
     @classmethod
-    def check(cls, cfg: Config, plan: Plan) -> None:
-        super().check(cfg, plan)
-        if cfg.checkpoint.enabled and cfg.checkpoint.format == "dcp" and plan.world_size > 1:
+    def check(cls, cfg: Config, topology: Topology) -> None:
+        super().check(cfg, topology)
+        if cfg.checkpoint.enabled and cfg.checkpoint.format == "dcp" and topology.world > 1:
             raise ConfigError("parallel.strategy=zero1 checkpoints with checkpoint.format=torch (rank 0 writes the "
                               "optimizer state consolidated from every rank), not dcp; hint: checkpoint.format=torch")
 

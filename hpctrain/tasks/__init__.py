@@ -65,7 +65,7 @@ def resolve_task(name: str, data_task: str, data_name: str, *, loss: str | None 
         raise UserError(f"train.task={name} does not fit data.name={data_name}, whose samples are for "
                         f"{data_task}; hint: train.task=auto (or {data_task})")
     if chosen == "custom":
-        from hpctrain.tasks.custom import Custom
+        from hpctrain.tasks.custom import Custom  # torch: reading the registry's names (a config check) needs none
         from hpctrain.tasks.loss import UserLoss, training_loss
 
         if loss is None:

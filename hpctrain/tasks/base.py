@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.data.batch import Batch
-from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.models.outputs import attach_labels, logits_of, loss_of
 from hpctrain.precision import Precision
 from hpctrain.tasks.inputs import call_model, model_inputs, real_tokens
+from hpctrain.tasks.metrics import EvalOutput, Metric
 from hpctrain.telemetry.flops import train_step_flops
 
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.data.batch import Batch, main_input
-from hpctrain.evaluation.metrics import EvalOutput, Metric
 from hpctrain.tasks.base import CrossEntropyTask
 from hpctrain.tasks.inputs import IGNORE_INDEX, ModelInputs, padding_positions
+from hpctrain.tasks.metrics import EvalOutput, Metric
 
 
 class TokenMetrics(Metric):

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.data.batch import Batch
-from hpctrain.evaluation.metrics import Metric, default_metrics
 from hpctrain.tasks.base import CrossEntropyTask
+from hpctrain.tasks.metrics import Metric, default_metrics
 
 
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpctrain.core.section import ConfigError
 from hpctrain.data.batch import Batch
-from hpctrain.evaluation.metrics import EvalOutput, MeanLoss, Metric
 from hpctrain.models.outputs import logits_of
 from hpctrain.precision import Precision
 from hpctrain.tasks.base import CrossEntropyTask, select_keys
 from hpctrain.tasks.inputs import call_model
 from hpctrain.tasks.loss import Loss
+from hpctrain.tasks.metrics import EvalOutput, MeanLoss, Metric
 
 
 class Custom(CrossEntropyTask):
@@ -46,8 +47,6 @@ class Custom(CrossEntropyTask):
 
     def _loss(self) -> Loss:
         if self.user_loss is None:
-            from hpctrain.core.section import ConfigError
-
             raise ConfigError("train.task=custom needs train.loss=package.module:NAME (the loss of your targets)")
         return self.user_loss
 

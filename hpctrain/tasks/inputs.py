@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hpctrain.core.errors import UserError
+from hpctrain.models import build_model
 
 IGNORE_INDEX = -100  # a target position that counts nowhere (padding tokens), as torch's cross-entropy
 
@@ -111,8 +112,6 @@ def build_task_model(task: Any, name: str, num_classes: int, input_shape: tuple[
     """``model.name`` built for ``task``: the dummy-forward output check where the task has one
     (classification, causal_lm, multilabel: ``(batch, num_classes)`` logits; regression and custom
     outputs are checked against the targets in the first step instead), and dict inputs expanded."""
-    from hpctrain.models import build_model
-
     checked = getattr(task, "checks_output", True)
     in_channels = None if checked or not input_shape else input_shape[0]  # checked: build_model derives it
     model = build_model(name, num_classes, in_channels, input_shape=input_shape if checked else None,

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.data.batch import Batch
-from hpctrain.evaluation.metrics import Metric, MultilabelMetrics
 from hpctrain.tasks.base import CrossEntropyTask
+from hpctrain.tasks.metrics import Metric, MultilabelMetrics
 
 
 class Multilabel(CrossEntropyTask):

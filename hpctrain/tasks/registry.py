@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from hpctrain.config.train import add_task_name
 from hpctrain.core.errors import UserError
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ def task_names() -> tuple[str, ...]:
 def register_task(name: str, target: str) -> None:
     """Make ``train.task=name`` (and data that asks for it) run the Task class at ``package.module:Class``."""
     _TASKS[name] = target
+    add_task_name(name)
 
 
 def task_class(name: str) -> type[Task]:

@@ -15,8 +15,8 @@ import torch
 
 from hpctrain.core.errors import UserError
 from hpctrain.data.batch import Batch
-from hpctrain.evaluation.metrics import Metric, RegressionMetrics
 from hpctrain.tasks.base import CrossEntropyTask
+from hpctrain.tasks.metrics import Metric, RegressionMetrics
 
 
 def fit_shape(predictions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

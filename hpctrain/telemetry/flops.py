@@ -1,7 +1,8 @@
 """FLOPs per training step and MFU (model FLOPs utilisation).
 
 Convention (see docs/telemetry.md):
-- the forward pass is counted by ``torch.utils.flop_counter.FlopCounterMode``: matmuls,
+- the forward pass is counted by :func:`hpctrain.telemetry.measure.count_flops` (the
+  estimator's and the planner's counter, ``torch.utils.flop_counter``): matmuls,
   convolutions and attention, 2 FLOPs per multiply-add; elementwise ops, norms, softmax
   and the optimizer are not counted;
 - it runs on meta copies of the weights and inputs: no real compute, no change to the
@@ -32,9 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.core.cache import cache_root
+from hpctrain.telemetry import measure
+from hpctrain.telemetry.accelerators import peak_tflops
 
 log = logging.getLogger("hpctrain")
 
@@ -57,17 +59,10 @@ def forward_flops(model: nn.Module, *inputs: Any) -> int:
     try:
         return _count_on_meta(model, inputs)
     except Exception as err:  # noqa: BLE001 - any failure on meta: count for real on a copy
-        if _sharded(model):  # a copy's forward would run collectives on one rank's whim: never
+        if measure.holds_shards(model):  # a copy's forward would run collectives on one rank's whim: never
             raise
         log.debug("FLOP count on meta failed (%s); counting on a copy", err)
         return _count_on_copy(model, inputs)
-
-
-def _sharded(model: nn.Module) -> bool:
-    """Shards on this rank (FSDP2, tensor parallel): only the meta count is safe."""
-    from hpctrain.parallel.wrappers import is_sharded
-
-    return is_sharded(model)
 
 
 def train_step_flops(model: nn.Module, *inputs: Any, grad_accum: int = 1) -> int:
@@ -79,9 +74,8 @@ def _count_on_meta(model: nn.Module, inputs: tuple[Any, ...]) -> int:
     state = {name: torch.empty_like(t, device="meta")
              for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
     meta_inputs = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, inputs)
-    with _hooks_off(model), torch.no_grad(), FlopCounterMode(display=False) as counter:
-        torch.func.functional_call(model, state, meta_inputs, strict=False)
-    return int(counter.get_total_flops())
+    with _hooks_off(model), torch.no_grad():
+        return measure.count_flops(lambda: torch.func.functional_call(model, state, meta_inputs, strict=False)).total
 
 
 _FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
@@ -104,10 +98,8 @@ def _hooks_off(model: nn.Module) -> Iterator[None]:
 
 def _count_on_copy(model: nn.Module, inputs: tuple[Any, ...]) -> int:
     clone = copy.deepcopy(model)  # batch-norm statistics and the like stay untouched
-    with _hooks_off(clone), torch.random.fork_rng(devices=[]), torch.no_grad(), \
-            FlopCounterMode(display=False) as counter:
-        clone(*inputs)
-    return int(counter.get_total_flops())
+    with _hooks_off(clone), torch.random.fork_rng(devices=[]), torch.no_grad():
+        return measure.count_flops(lambda: clone(*inputs)).total
 
 
 def mfu(step_flops: float, step_seconds: float, peak: Peak) -> float:
@@ -127,7 +119,7 @@ def mfu(step_flops: float, step_seconds: float, peak: Peak) -> float:
 def peak_flops(device: torch.device, precision: str, override_tflops: float | None = None,
                cache_dir: Path | None = None) -> Peak | None:
     """The denominator of MFU: ``telemetry.peak_tflops`` if given, else the accelerator
-    table (hpctrain.estimate.hardware) for GPUs, else a measured matmul peak on CPU.
+    table (hpctrain.telemetry.accelerators) for GPUs, else a measured matmul peak on CPU.
     None (MFU not reported, with a warning) for a GPU the table does not know."""
     if override_tflops:
         return Peak(override_tflops * 1e12, "telemetry.peak_tflops")
@@ -136,8 +128,6 @@ def peak_flops(device: torch.device, precision: str, override_tflops: float | No
         return Peak(cpu_matmul_peak(dtype, cache_dir), f"{cpu_name()} {dtype} matmul probe")
     if device.type != "cuda":
         return None
-    from hpctrain.estimate.hardware import peak_tflops
-
     name = torch.cuda.get_device_name(device)
     key = accelerator_key(name)
     if key is None:

@@ -15,7 +15,7 @@ from hpctrain.config.telemetry import TelemetryConfig
 from hpctrain.core.env import ClusterEnv
 from hpctrain.telemetry.flops import peak_flops
 from hpctrain.telemetry.loggers import LoggerOptions, Loggers, build_loggers
-from hpctrain.telemetry.memory import MemoryProbe
+from hpctrain.telemetry.memory_breakdown import MemoryProbe
 from hpctrain.telemetry.meter import Meter
 from hpctrain.telemetry.profiler import StepProfiler
 from hpctrain.telemetry.stragglers import StragglerDetector, StragglerReport, StragglerSchedule
@@ -24,7 +24,7 @@ log = logging.getLogger("hpctrain")
 
 
 class BatchShape(Protocol):
-    """The plan's batch fields the meter needs (hpctrain.parallel.plan.Plan has them)."""
+    """The run layout's batch fields the meter needs (hpctrain.planning.layout.RunLayout has them)."""
 
     @property
     def global_batch(self) -> int: ...
@@ -52,7 +52,7 @@ class Telemetry:
               run_config: dict[str, Any] | None = None) -> Telemetry:
         """Every rank (the straggler detector gathers host names once). Without ``run_dir``:
         measurement only, no loggers and no profiler (parts used in a user's own loop).
-        ``batch``: the run's plan (hpctrain.parallel.plan.Plan) or any object with its batch
+        ``batch``: the run's layout (hpctrain.planning.layout.RunLayout) or any object with its batch
         fields; ``run_config``: the whole config, for the loggers' run parameters."""
         meter = Meter(batch.global_batch, step, device, batch.grad_accum, batch.dp,
                       peak=peak_flops(device, precision, t.peak_tflops), sync_timing=t.sync_timing,

@@ -1,8 +1,11 @@
 """Where a step's time goes, per logged interval and over the run: the step-time breakdown,
 throughput, MFU, peak memory and (NVML) GPU utilisation, power and temperature.
 
-The loop calls :meth:`Meter.lap` at each phase boundary: the time since the previous lap
-is added to that phase, so the phases of an interval add up to its wall time. A lap is
+The loop marks the end of each phase: ``meter.data()`` once the batch is on the device,
+``meter.compute()`` after forward and backward (or ``forward()`` and ``backward()`` apart),
+``meter.optimizer()``, ``checkpoint()``, ``evaluation()``, ``other()``; the trainer's hot path
+calls :meth:`Meter.lap` with the phase's index. Each mark adds the time since the previous
+one to its phase, so the phases of an interval add up to its wall time. A lap is
 one ``perf_counter`` read and one addition; nothing on the hot path synchronises a device.
 On a GPU the host therefore runs ahead of the device, and device time shows up in the
 phase where the host next waits (the loss read of a log row, the allocator, the data
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpctrain.telemetry import heartbeat
+from hpctrain.core import protocol as heartbeat
 from hpctrain.telemetry.flops import Peak, remeasure_cpu_peak, train_step_flops
 from hpctrain.telemetry.gpu import GpuMonitor
 
@@ -62,7 +65,8 @@ class Meter:
     ``global_batch``: samples per optimizer step over all ranks; ``grad_accum`` and
     ``world_size`` (the data-parallel replicas) turn a micro-batch's token count into tokens
     per step; ``peak``: the device's peak FLOP/s (None: no MFU); ``flops_divisor``: the share
-    of the replica's FLOPs one rank runs (pp x tp: one stage, 1/tp of each block's matmuls)."""
+    of the replica's FLOPs one rank runs (hpctrain.core.topology.Topology.flop_divisor: pp x tp, one
+    stage, 1/tp of each block's matmuls)."""
 
     global_batch: int
     step: int
@@ -114,15 +118,40 @@ class Meter:
         if self._beat is not None:
             self._beat.beat(phase)
 
+    # The phases by name, for a loop of your own: call each right after the phase it names.
+
+    def data(self) -> None:
+        """Getting the batch: the loader's wait and the copy to the device."""
+        self.lap(DATA)
+
+    def compute(self) -> None:
+        """Forward and backward in one call (``strategy.micro_step``). Booked as forward, which the
+        straggler check reads as a rank's own compute: here it includes the gradient all-reduce."""
+        self.lap(FORWARD)
+
+    def forward(self) -> None:
+        self.lap(FORWARD)
+
+    def backward(self) -> None:
+        self.lap(BACKWARD)
+
+    def optimizer(self) -> None:
+        """The optimizer step (and zeroing the gradients)."""
+        self.lap(OPTIM)
+
+    def checkpoint(self) -> None:
+        self.lap(CKPT)
+
+    def evaluation(self) -> None:
+        self.lap(EVAL)
+
+    def other(self) -> None:
+        self.lap(OTHER)
+
     def add_tokens(self, count: Any) -> None:
         """This rank's real tokens of a micro-batch (a tensor is added on its device, read only
         at interval ends: no sync on the hot path)."""
         self._tokens = self._tokens + count
-
-    @property
-    def tokens_counted(self) -> float:
-        """This rank's tokens added so far (add_tokens)."""
-        return float(self._tokens)
 
     def finishing(self) -> None:
         """The loop is over: the heartbeat says so (the final validation and save may take

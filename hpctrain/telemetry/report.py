@@ -1,14 +1,12 @@
-"""``hpctrain report RUN_DIR [RUN_DIR...] [--html] [--out DIR]``: tables and plots of runs.
+"""Tables and plots of runs (``hpctrain report``, whose command is :mod:`hpctrain.cli.report`).
 
-Writes into ``--out`` (default: ``RUN_DIR/report`` for one run, ``./report`` for several)
-the PNG figures (plots.py), ``report.md`` (the tables, linking the figures) and with
-``--html`` one self-contained ``report.html`` (figures inlined as base64), and prints the
-summary table.
+:func:`write_report` writes into a folder the PNG figures (plots.py), ``report.md`` (the
+tables, linking the figures) and optionally one self-contained ``report.html`` (figures
+inlined as base64); :func:`summary_table` is the table the command prints.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 from collections import defaultdict
@@ -16,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.core.errors import UserError
-from hpctrain.telemetry.runs import Run, load_run, unique_names
+from hpctrain.telemetry.runs import Run, unique_names
 
 Table = tuple[list[str], list[list[str]]]
 
@@ -24,26 +22,9 @@ SUMMARY_COLUMNS = ("steps", "world_size", "val_loss", "val_accuracy", "samples_p
                    "data_wait_share", "train_seconds", "precision", "model")
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("report", help="summary table and plots of one or more runs (--html: one page)")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl, summary.json)")
-    p.add_argument("--out", help="output directory (default: RUN_DIR/report, or ./report for several runs)")
-    p.add_argument("--html", action="store_true", help="also write report.html with the figures inlined")
-    p.set_defaults(func=cmd_report)
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    runs = [load_run(Path(p)) for p in args.run_dirs]
-    out = Path(args.out) if args.out else (runs[0].path / "report" if len(runs) == 1 else Path("report"))
-    written = write_report(runs, out, html_page=args.html)
-    print(_text(summary_table(runs)))
-    print(f"\nwrote {len(written)} files to {out}: " + ", ".join(p.name for p in written))
-    return 0
-
-
 def write_report(runs: list[Run], out: Path, html_page: bool = False) -> list[Path]:
     try:
-        from hpctrain.telemetry.plots import plot_all
+        from hpctrain.telemetry.plots import plot_all  # matplotlib, an optional dependency (the report extra)
     except ImportError as err:
         raise UserError(f"hpctrain report needs matplotlib ({err}); hint: pip install 'hpctrain[report]'") from None
     unique_names(runs)
@@ -118,7 +99,7 @@ def rank_table(runs: list[Run]) -> Table:
     return ["run", "rank", "node", "work s/step", "relative", "worst individual", "named straggler"], rows
 
 
-def _text(table: Table) -> str:
+def table_text(table: Table) -> str:
     header, rows = table
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(header)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in [header, *rows]]

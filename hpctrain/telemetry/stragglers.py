@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpctrain.core.env import collective_device
 from hpctrain.core.errors import UserError
 
 log = logging.getLogger("hpctrain")
@@ -121,8 +122,6 @@ def _gather_nodes() -> list[str]:
 def _gather_times(values: list[float]) -> list[tuple[float, float, float]]:
     local = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized():
-        from hpctrain.core.env import collective_device
-
         local = local.to(collective_device())
         out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=local.device)
         _ALL_GATHER(out, local)

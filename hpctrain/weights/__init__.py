@@ -14,7 +14,7 @@ __all__ = ["save_model_streamed"]
 
 def __getattr__(name: str) -> Any:  # lazy: importing the package loads no torch
     if name == "save_model_streamed":
-        from hpctrain.weights.model import save_model_streamed as saver
+        from hpctrain.weights.model import save_model_streamed as saver  # torch: on first use only
 
         return saver
     raise AttributeError(f"module 'hpctrain.weights' has no attribute {name!r}")

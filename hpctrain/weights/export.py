@@ -24,7 +24,6 @@ import io
 import math
 import pickle
 import sys
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -35,9 +34,10 @@ import torch
 from torch import nn
 
 from hpctrain.checkpoint import layout, tensorfile
+from hpctrain.core.atomic import atomic_open
 from hpctrain.core.errors import RunError, UserError
-from hpctrain.parallel.wrappers import is_dtensor
-from hpctrain.rundir import ParamsHash, atomic_open, clean_name
+from hpctrain.core.modules import is_dtensor, unwrap
+from hpctrain.weights.digest import ParamsHash, clean_name
 
 SUFFIXES = (".pt", ".safetensors")
 
@@ -205,7 +205,7 @@ def write_stream(path: Path, source: Source, *, write: bool = True,
                  param_names: Iterable[str] | None = None) -> Written | None:
     """Consume ``source`` (every rank: the iterator runs the gathering collectives) and, where
     ``write`` (rank 0), write its tensors to ``path`` atomically as they arrive, hashing the
-    ``param_names`` among them (see :class:`hpctrain.rundir.ParamsHash`). A write error stops
+    ``param_names`` among them (see :class:`hpctrain.weights.digest.ParamsHash`). A write error stops
     the writing, not the gathering: the other ranks finish their collectives, then it is raised."""
     if not write:
         _drain(source)
@@ -292,8 +292,6 @@ def model_source(model: nn.Module, *, is_main: bool) -> Source:
     """A model on every rank, whole (DDP, ZeRO-1) or sharded (FSDP, HSDP, tensor parallel): each
     DTensor is gathered alone (``full_tensor``, a collective every rank joins) and dropped right
     after rank 0 has written it. Every rank calls it and consumes the tensors."""
-    from hpctrain.parallel.wrappers import unwrap
-
     named = sorted((clean_name(k), v) for k, v in unwrap(model).state_dict().items() if isinstance(v, torch.Tensor))
     _check_unique([name for name, _ in named])
     specs = [TensorSpec(name, v.dtype, tuple(v.shape)) for name, v in named]
@@ -367,28 +365,3 @@ def _check_unique(names: list[str]) -> None:
     doubled = sorted({n for n in names if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
     if doubled:
         raise ExportError(f"tensor names occur twice in the consolidated state: {', '.join(doubled[:5])}")
-
-
-def dcp_source(path: Path, prefix: str = "model.") -> Source:
-    """The model tensors of a DCP checkpoint directory, read one at a time without a process
-    group (``no_dist``): the metadata lists them; the optimizer state is never read."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from hpctrain.checkpoint import dcp_read
-
-    metadata = dcp_read.read_metadata(path)
-    specs = sorted(TensorSpec(key[len(prefix):], meta.properties.dtype, tuple(meta.size))
-                   for key, meta in metadata.state_dict_metadata.items()
-                   if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata))
-    live = LiveBytes()
-
-    def tensors() -> Iterator[torch.Tensor]:
-        for spec in specs:
-            tensor = live.track(torch.empty(spec.shape, dtype=spec.dtype))
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp_read.load({prefix + spec.name: tensor}, path, no_dist=True)
-            yield tensor
-            del tensor
-
-    return Source(specs, tensors(), live)

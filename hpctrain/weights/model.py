@@ -9,17 +9,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import agree
-from hpctrain.rundir import ParamsHash
+from hpctrain.weights.digest import ParamsHash
 from hpctrain.weights.export import Source, write_stream
 
-if TYPE_CHECKING:
-    from hpctrain.parallel.base import Strategy
+
+class Exporting(Protocol):
+    """What :func:`save_model_streamed` needs of a strategy (hpctrain.parallel's, or your own)."""
+
+    env: ClusterEnv
+
+    def sync_buffers(self) -> None: ...
+    def param_names(self) -> list[str]: ...
+    def buffer_names(self) -> list[str]: ...
+    def export_source(self) -> Source: ...
 
 
 @dataclass(frozen=True)
@@ -30,7 +38,7 @@ class Digests:
     buffers: str
 
 
-def save_model_streamed(strategy: Strategy, path: Path) -> Digests:
+def save_model_streamed(strategy: Exporting, path: Path) -> Digests:
     """RUN_DIR/model.pt, one consolidated file written by rank 0 one tensor at a time: a sharded
     model (FSDP, HSDP, TP) or a pipeline's stages are gathered tensor by tensor, never whole on
     one rank. Every rank's buffers are first made rank 0's, so the file holds the model every
@@ -64,7 +72,7 @@ def _hashing(source: Source, buffers: ParamsHash) -> Source:
 
 
 def _from_rank0(digests: tuple[str, str], env: ClusterEnv) -> tuple[str, str]:
-    """Rank 0's hashes of the streamed weights (rundir.params_sha256's), on every rank."""
+    """Rank 0's hashes of the streamed weights (digest.params_sha256's), on every rank."""
     shared = [digests if env.is_main else ("", "")]
     if env.distributed:
         torch.distributed.broadcast_object_list(shared, src=0)

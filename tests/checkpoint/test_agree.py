@@ -176,7 +176,7 @@ def test_run_overwrite_rank0_prepares_the_run_dir_while_the_others_wait(trained:
     exists: its failure reaches every rank, and without one every rank trains the new run."""
     run = _copy_run(trained, tmp_path / "run")
     args = ["train", *BASE, f"run.dir={run}", "run.overwrite=true", "resume=never"]
-    failed = _run_ranks(2, args, inject=("hpctrain.rundir:_remove_old_checkpoints", 0))
+    failed = _run_ranks(2, args, inject=("hpctrain.core.rundir:_remove_old_checkpoints", 0))
     _all_fail_with(failed, "injected failure in _remove_old_checkpoints on rank 0")
     assert (run / "summary.json").is_file()  # untouched
     results = _run_ranks(2, args)

@@ -19,7 +19,7 @@ from hpctrain.checkpoint.writer import CheckpointWriter
 from hpctrain.cli import main as cli_main
 from hpctrain.config import ConfigError, load_config
 from hpctrain.core.env import ClusterEnv
-from hpctrain.rundir import RunDirError
+from hpctrain.core.rundir import RunDirError
 from hpctrain.train import train
 from tests.ckpt_models import Parts, make_parts
 
@@ -116,7 +116,7 @@ def _parts(seed: int = 0) -> Parts:
 
 
 def _snap(parts: Parts):  # type: ignore[no-untyped-def]
-    return snapshot(parts.state(), ClusterEnv(), {"seed": 0}, {}, "torch")
+    return snapshot(parts.state(), ClusterEnv(), {"seed": 0}, {})
 
 
 @pytest.mark.parametrize("failure, where", [(errno.ENOSPC, "tensor bytes"), (errno.EROFS, "small files")])

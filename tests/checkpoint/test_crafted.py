@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.checkpoint import dcp_read, layout
+from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.state import REPLICATED
 from hpctrain.cli import main as cli_main
 from hpctrain.config import load_config
 from hpctrain.core import safe_pickle
+from hpctrain.parallel import dcp_read
 from hpctrain.train import train
 from hpctrain.weights.load import load_weights_file
 

@@ -25,9 +25,10 @@ import pytest
 import torch
 
 from hpctrain.checkpoint import confine, layout, tensorfile
-from hpctrain.checkpoint.state import REPLICATED_TENSORS, SHARDED_DIR, rank_file
+from hpctrain.checkpoint.state import REPLICATED_TENSORS, rank_file
 from hpctrain.cli import main as cli_main
 from hpctrain.config import load_config
+from hpctrain.parallel.state import SHARDED_DIR
 from hpctrain.train import train
 from hpctrain.weights.load import UnreadableWeightsError, load_weights_file
 from tests.checkpoint.test_crafted import BASE

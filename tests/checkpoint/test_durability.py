@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from hpctrain import rundir
 from hpctrain.checkpoint import checksum, layout, tensorfile
 from hpctrain.checkpoint.checkpointer import Checkpointer
 from hpctrain.checkpoint.state import REPLICATED_TENSORS
 from hpctrain.config import load_config
+from hpctrain.core import atomic
 from hpctrain.core.env import ClusterEnv
 from hpctrain.evaluation.evaluate import write_predictions
 from tests.ckpt_models import make_parts
@@ -177,14 +177,14 @@ def test_resume_with_every_checkpoint_corrupt_is_an_error(tmp_path: Path) -> Non
 
 def test_atomic_writers_fsync_the_parent_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     synced: list[Path] = []
-    real = rundir.fsync_dir
+    real = atomic.fsync_dir
 
     def recording(path: Path) -> None:
         synced.append(Path(path))
         real(path)
 
-    monkeypatch.setattr(rundir, "fsync_dir", recording)
-    rundir.write_json(tmp_path / "eval.json", {"a": 1})
+    monkeypatch.setattr(atomic, "fsync_dir", recording)
+    atomic.write_json(tmp_path / "eval.json", {"a": 1})
     write_predictions([{"key": 0}], tmp_path / "predictions.jsonl")
     assert synced == [tmp_path, tmp_path]
     synced.clear()

@@ -25,14 +25,14 @@ from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import PeerError, RunError, agree
 from hpctrain.data.text import write_text_shards
 from hpctrain.models.gpt import GPT, GPTShape
-from hpctrain.rundir import ParamsHash, param_names, params_sha256
+from hpctrain.parallel.state import dcp_source
+from hpctrain.weights.digest import ParamsHash, param_names, params_sha256
 from hpctrain.weights.export import (
     ExportError,
     ExportFormatError,
     LiveBytes,
     Source,
     TensorSpec,
-    dcp_source,
     dict_source,
     model_source,
     pipeline_source,

@@ -27,9 +27,10 @@ import pytest
 import torch
 
 from hpctrain.checkpoint import layout, tensorfile
-from hpctrain.checkpoint.state import REPLICATED_TENSORS, SHARDED_DIR
+from hpctrain.checkpoint.state import REPLICATED_TENSORS
 from hpctrain.cli.ckpt import _verify_one
 from hpctrain.core.errors import HpctrainError
+from hpctrain.parallel.state import SHARDED_DIR
 from tests.checkpoint.test_crafted_reads import _train, deadline
 
 CASES = int(os.environ.get("HPCTRAIN_FUZZ_CASES", "300"))  # benchmarks/faults.py runs more
@@ -227,8 +228,8 @@ def _mutate_metadata(rng: random.Random, metadata: Any) -> Any:
 
 
 def test_fuzz_dcp_metadata(runs: dict[str, Path], tmp_path: Path, bounded: list[int]) -> None:
-    from hpctrain.checkpoint import dcp_read
-    from hpctrain.weights.export import dcp_source
+    from hpctrain.parallel import dcp_read
+    from hpctrain.parallel.state import dcp_source
 
     work, outside = _workspace(tmp_path, runs["dcp"])
     sharded = work / SHARDED_DIR

@@ -151,7 +151,7 @@ def test_a_failed_two_tier_save_prunes_the_local_tier_and_names_it(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     parts = make_parts(step=1)
     writer = CheckpointWriter(tmp_path / "checkpoints", ClusterEnv(), local_dir=str(tmp_path / "local"))
-    writer.save(snapshot(parts.state(), ClusterEnv(), {}, {}, "torch"), blocking=True)
+    writer.save(snapshot(parts.state(), ClusterEnv(), {}, {}), blocking=True)
     local = writer.local
     assert local is not None and sorted(p.name for p in local.iterdir()) == ["step-000000001"]
 
@@ -161,7 +161,7 @@ def test_a_failed_two_tier_save_prunes_the_local_tier_and_names_it(tmp_path: Pat
     monkeypatch.setattr(tensorfile, "write", full)
     parts.counters.step = 2
     with pytest.raises(layout.CheckpointError) as info:
-        writer.save(snapshot(parts.state(), ClusterEnv(), {}, {}, "torch"), blocking=True)
+        writer.save(snapshot(parts.state(), ClusterEnv(), {}, {}), blocking=True)
     assert f"permissions of {local} (checkpoint.local_dir" in str(info.value)
     assert sorted(p.name for p in local.iterdir()) == ["step-000000001"]  # the failed partial is gone
     assert _steps(tmp_path) == [1]

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from hpctrain.checkpoint import layout
-from hpctrain.checkpoint.preempt import EXIT_PREEMPTED, read_status
 from hpctrain.cli import main as cli_main
+from hpctrain.core.errors import EXIT_PREEMPTED
+from hpctrain.core.protocol import read_status
 from tests.ckpt_models import SLOW_RUN_ARGS
 from tests.dist_utils import finish_launch, launch_env, train_cases
 

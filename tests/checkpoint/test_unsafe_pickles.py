@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from hpctrain.checkpoint import layout
-from hpctrain.checkpoint.state import SHARDED_DIR
 from hpctrain.cli import main as cli_main
 from hpctrain.config import load_config
 from hpctrain.core import safe_pickle
+from hpctrain.parallel.state import SHARDED_DIR
 from hpctrain.train import train
 
 BASE = ["model.name=tests.ckpt_models:tiny_mlp", "data.name=synthetic_tiny", "data.synthetic_size=128",
@@ -96,7 +96,7 @@ def test_a_non_tensor_value_of_a_dcp_checkpoint_is_read_weights_only(tmp_path: P
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-    from hpctrain.checkpoint import dcp_read
+    from hpctrain.parallel import dcp_read
 
     dcp.save({"lr": 0.5, "w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "c")),
              no_dist=True)

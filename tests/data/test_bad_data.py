@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from hpctrain.cli import main
-from hpctrain.data.loader import ShardDataset, ShardIndex
 from hpctrain.data.manifest import load_index, load_manifest
+from hpctrain.data.shard_dataset import ShardDataset
+from hpctrain.data.shard_index import ShardIndex
 
 Image = pytest.importorskip("PIL.Image")
 

@@ -17,8 +17,9 @@ from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import HpctrainError
 from hpctrain.data.errors import ShardError
 from hpctrain.data.foreign import expand_braces, prepare
-from hpctrain.data.loader import ShardedLoader, ShardIndex
+from hpctrain.data.loader import ShardedLoader
 from hpctrain.data.manifest import manifest_path
+from hpctrain.data.shard_index import ShardIndex
 from tests.data.test_shards import make_shards
 from tests.dist_utils import run_ranks
 

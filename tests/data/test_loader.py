@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from hpctrain.core.env import ClusterEnv
-from hpctrain.data.loader import (
-    PAD,
-    ShardedEvalLoader,
-    ShardedLoader,
-    ShardIndex,
-    epoch_order,
-    limit_order,
-    rank_batches,
-    remaining_batches,
-)
+from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
+from hpctrain.data.position import PAD, epoch_order, limit_order, rank_batches, remaining_batches
+from hpctrain.data.shard_index import ShardIndex
 from tests.data.test_shards import make_shards
 from tests.dist_utils import run_ranks
 

@@ -7,7 +7,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import UserError
-from hpctrain.data.memory import EvalLoader, MemoryLoader
+from hpctrain.data.in_memory import EvalLoader, MemoryLoader
 from hpctrain.data.synthetic import synthetic
 from tests.dist_utils import run_ranks
 

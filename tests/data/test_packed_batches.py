@@ -10,10 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-import hpctrain.data.loader as loader_module
+import hpctrain.data.decode as decode_module
+import hpctrain.data.shard_dataset as shard_dataset_module
+import hpctrain.data.workers as workers_module
 from hpctrain.core.env import ClusterEnv
 from hpctrain.data.batch import PackedBatch
-from hpctrain.data.loader import PAD, ShardDataset, ShardedEvalLoader, ShardedLoader, ShardIndex
+from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
+from hpctrain.data.position import PAD
+from hpctrain.data.shard_dataset import ShardDataset
+from hpctrain.data.shard_index import ShardIndex
 from tests.data.test_shards import flip_byte, make_shards, pixels
 
 
@@ -29,7 +34,8 @@ def png_shards(tmp_path_factory):
 
 
 def _as_worker(monkeypatch) -> None:
-    monkeypatch.setattr(loader_module, "get_worker_info", lambda: object())  # what a DataLoader worker sees
+    for module in (shard_dataset_module, workers_module):  # what a DataLoader worker sees
+        monkeypatch.setattr(module, "get_worker_info", lambda: object())
 
 
 def _no_tensors(packed: PackedBatch) -> bool:
@@ -72,7 +78,7 @@ def test_a_transform_s_tensors_travel_as_numpy_unless_numpy_lacks_the_dtype(png_
 
 @pytest.mark.parametrize("spng", [False, None])  # PIL, and libspng where pyspng is installed
 def test_workers_give_the_batches_of_one_process(png_shards, spng, monkeypatch):
-    monkeypatch.setattr(loader_module, "_SPNG", spng)
+    monkeypatch.setattr(decode_module, "_SPNG", spng)
 
     def train(workers):
         return list(ShardedLoader(png_shards, ClusterEnv(), 3, seed=2, drop_last=False, on_corrupt="skip",

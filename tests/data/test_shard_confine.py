@@ -19,9 +19,11 @@ from hpctrain.cli import main
 from hpctrain.core.env import ClusterEnv
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.indexing import index_existing, index_tar
-from hpctrain.data.loader import ShardDataset, ShardedLoader, ShardIndex
+from hpctrain.data.loader import ShardedLoader
 from hpctrain.data.manifest import manifest_path
 from hpctrain.data.pack import cls_bytes, npy_bytes
+from hpctrain.data.shard_dataset import ShardDataset
+from hpctrain.data.shard_index import ShardIndex
 from hpctrain.data.verify import verify
 from hpctrain.data.writer import write_shards
 from tests.dist_utils import ROOT

@@ -22,9 +22,10 @@ import pytest
 
 from hpctrain.core.errors import HpctrainError
 from hpctrain.data.indexing import index_existing, index_tar
-from hpctrain.data.loader import ShardDataset, ShardIndex
 from hpctrain.data.manifest import manifest_path, summarize
 from hpctrain.data.pack import cls_bytes, npy_bytes
+from hpctrain.data.shard_dataset import ShardDataset
+from hpctrain.data.shard_index import ShardIndex
 from hpctrain.data.verify import verify
 from hpctrain.data.writer import write_shards
 

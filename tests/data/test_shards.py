@@ -15,9 +15,11 @@ from hpctrain.cli import main
 from hpctrain.core.env import ClusterEnv
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.indexing import index_existing
-from hpctrain.data.loader import ShardDataset, ShardedEvalLoader, ShardedLoader, ShardIndex
+from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
 from hpctrain.data.manifest import load_index, load_manifest
 from hpctrain.data.pack import npy_bytes
+from hpctrain.data.shard_dataset import ShardDataset
+from hpctrain.data.shard_index import ShardIndex
 from hpctrain.data.verify import verify
 from hpctrain.data.writer import ShardWriter, parse_size, write_shards
 

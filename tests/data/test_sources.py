@@ -111,7 +111,7 @@ def test_config_and_source_names_import_no_torch(module, heavy):
     runs (the package first, always) import neither. Other packages' own imports are their business."""
     stub = f"import sys, types; p = types.ModuleType('hpctrain'); p.__path__ = [{str(ROOT / 'hpctrain')!r}]; " \
            "sys.modules['hpctrain'] = p; "  # hpctrain/__init__ is not hpctrain.data's to keep light
-    names = "sorted(m for m in sys.modules if m.startswith('hpctrain.data'))"
+    names = f"sorted(m for m in sys.modules if m.startswith('hpctrain.data') or m == {module!r})"
     code = stub + f"import json, {module}; print(json.dumps({names}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -19,7 +19,7 @@ import pytest
 
 from hpctrain.core.env import ClusterEnv
 from hpctrain.data.errors import ShardError
-from hpctrain.data.foreign import _mirror_bytes, plan
+from hpctrain.data.foreign import _mirror_bytes, foreign_index
 from hpctrain.data.manifest import load_manifest, manifest_path
 from hpctrain.data.stage import is_current, stage_shards, stage_target
 from hpctrain.data.text import text_layout
@@ -129,7 +129,7 @@ def test_foreign_checks_read_broken_manifests_without_a_traceback(tmp_path):
     data = tmp_path / "data"
     _write(data)
     manifest_path(data, "train").write_bytes(b"[1]")  # tars beside it: _usable reads indexed_from
-    assert plan(str(data), ["train", "val"]).root == data
+    assert foreign_index(str(data), ["train", "val"]).root == data
     with pytest.raises(ShardError, match="not an hpctrain shard manifest"):
         load_manifest(data, "train")
 

@@ -22,8 +22,8 @@ from hpctrain.config.data import DataConfig
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import UserError
 from hpctrain.data import build_data
+from hpctrain.data.in_memory import MemoryLoader
 from hpctrain.data.loader import ShardedLoader
-from hpctrain.data.memory import MemoryLoader
 from hpctrain.data.synthetic import synthetic
 from hpctrain.train import train
 

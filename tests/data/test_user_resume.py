@@ -17,7 +17,7 @@ import pytest
 
 from hpctrain.checkpoint import layout
 from hpctrain.config import load_config
-from hpctrain.data.loader import epoch_order
+from hpctrain.data.position import epoch_order
 from tests.checkpoint import test_preempt as preempt
 from tests.dist_utils import train_cases
 

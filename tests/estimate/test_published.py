@@ -72,6 +72,7 @@ CASES: list[tuple[str, list[str], Callable[[dict[str, Any]], float], float, floa
     ("llama-2-7b-params", _config("llama-2-7b"), _params, 6.74e9, 0.01),
     ("llama-3-8b-params", _config("llama-3-8b"), _params, 8.03e9, 0.01),
     ("mistral-7b-params", _config("mistral-7b"), _params, 7.24e9, 0.01),
+    ("mistral-nemo-12b-params", _config("mistral-nemo-12b"), _params, 12.25e9, 0.01),  # head_dim 128 < 5120 / 32
     ("mixtral-8x7b-total-params", _config("mixtral-8x7b"), _params, 46.7e9, 0.01),
     ("mixtral-8x7b-active-params", _config("mixtral-8x7b"), _active, 12.9e9, 0.01),
     ("pythia-1.4b-params", _config("pythia-1.4b"), _params, 1_414_647_808, 1e-9),
@@ -286,7 +287,7 @@ def test_bad_hf_configs_exit_2_naming_the_file_and_key(edit, message, tmp_path, 
     (["--params", "7B", "--tokens", "1B", "--gpu", "a100", "--achieved-tflops", "400"], "at most the dense peak, 312"),
     (["--params", "7B", "--tokens", "1B", "--mfu", "0.9", "--activation-checkpointing", "full"],
      "120% hardware FLOPs utilisation"),
-    (["--kv-heads", "8"], "missing: --layers --hidden --heads --seq-len --vocab"),
+    (["--kv-heads", "8"], "missing: --layers --hidden --heads --vocab"),
 ])
 def test_bad_inputs_exit_2(argv, message, tmp_path, capsys):
     argv = [_write(tmp_path, "{not json") if a == "BROKEN" else a for a in argv]

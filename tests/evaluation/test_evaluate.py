@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from hpctrain.core.env import ClusterEnv
-from hpctrain.data.memory import EvalLoader, rank_slice_of
+from hpctrain.data.in_memory import EvalLoader, rank_slice_of
 from hpctrain.data.synthetic import synthetic
 from hpctrain.evaluation.evaluate import evaluate
-from hpctrain.evaluation.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric, default_metrics
+from hpctrain.tasks.metrics import Accuracy, ConfusionMatrix, EvalOutput, MeanLoss, Metric, default_metrics
 from tests.dist_utils import run_ranks
 from tests.user_models import tiny_mlp
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.checkpoint.preempt import OUTCOME_ENV
+from hpctrain.core import protocol
 from hpctrain.core.errors import RunError
+from hpctrain.core.protocol import OUTCOME_ENV
 from hpctrain.launch import rank as rank_life
 from tests.checkpoint import test_preempt as preempt
 from tests.dist_utils import finish_launch
@@ -30,21 +31,21 @@ def _rank_env(tmp_path: Path, rank: int, restart: int = 0) -> dict[str, str]:
 
 
 def test_a_survivor_names_the_rank_the_launcher_saw_die(tmp_path: Path) -> None:
-    rank_life.note_ended(tmp_path, "0", 0, 1)  # a survivor that already exited 1: not the first cause
-    rank_life.note_ended(tmp_path, "0", 1, -signal.SIGKILL)
-    rank_life.note_ended(tmp_path, "1", 3, -signal.SIGSEGV)  # another attempt's
+    protocol.note_ended(tmp_path, "0", 0, 1)  # a survivor that already exited 1: not the first cause
+    protocol.note_ended(tmp_path, "0", 1, -signal.SIGKILL)
+    protocol.note_ended(tmp_path, "1", 3, -signal.SIGSEGV)  # another attempt's
     replaced = rank_life.peer_failure(GLOO_LOST, wait_s=0, environ=_rank_env(tmp_path, 2))
     assert isinstance(replaced, RunError)
     assert str(replaced).startswith("rank 1 ended with signal 9 (SIGKILL), so this rank failed too (RuntimeError: "
                                     "Connection closed by peer [127.0.0.1]:6034.")
-    assert rank_life.ended_ranks(_rank_env(tmp_path, 1)) == {0: 1}  # its own note is not a peer's
+    assert protocol.ended_ranks(_rank_env(tmp_path, 1)) == {0: 1}  # its own note is not a peer's
     # an error of this rank's own is put down to a rank killed by a signal, not to one that exited
     assert str(rank_life.peer_failure(KeyError("x"), wait_s=0, environ=_rank_env(tmp_path, 2))).startswith("rank 1 ")
     assert rank_life.peer_failure(KeyError("x"), wait_s=0, environ=_rank_env(tmp_path, 1)) is None
 
 
 def test_without_a_note_a_lost_peer_is_still_no_bug_and_other_errors_stand(tmp_path: Path) -> None:
-    rank_life.note_ended(tmp_path, "0", 1, 3)  # a preempted rank's exit 3 is no failure
+    protocol.note_ended(tmp_path, "0", 1, 3)  # a preempted rank's exit 3 is no failure
     env = _rank_env(tmp_path, 0)
     lost = rank_life.peer_failure(GLOO_LOST, wait_s=0, environ=env)
     assert isinstance(lost, RunError) and str(lost).startswith("a collective failed because another rank")

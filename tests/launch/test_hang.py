@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from hpctrain.checkpoint import layout
+from hpctrain.core import protocol
 from hpctrain.core.errors import EXIT_HUNG
 from hpctrain.launch import watchdog
-from hpctrain.telemetry import heartbeat, meter
+from hpctrain.telemetry import meter
 from tests.checkpoint import test_preempt as preempt
 from tests.dist_utils import finish_launch, launch_env
 
@@ -40,25 +41,25 @@ TINY = ["model.name=tests.user_models:tiny_mlp", "data.name=synthetic_tiny", "da
 
 def test_phase_names_follow_the_meter() -> None:
     """The heartbeat stores the meter's phase numbers; its words must match them."""
-    assert heartbeat.DOING_AFTER[meter.DATA].startswith("forward")
-    assert heartbeat.DOING_AFTER[meter.OPTIM].startswith("the after-step")
-    assert heartbeat.DOING_AFTER[meter.CKPT] == "loading the next batch"
-    assert heartbeat.LONG_PHASES == {heartbeat.VALIDATING, heartbeat.SAVING, heartbeat.RESUMING, heartbeat.FINISHING}
+    assert protocol.DOING_AFTER[meter.DATA].startswith("forward")
+    assert protocol.DOING_AFTER[meter.OPTIM].startswith("the after-step")
+    assert protocol.DOING_AFTER[meter.CKPT] == "loading the next batch"
+    assert protocol.LONG_PHASES == {protocol.VALIDATING, protocol.SAVING, protocol.RESUMING, protocol.FINISHING}
 
 
 def test_a_heartbeat_counts_laps_and_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(heartbeat, "_current", None)
-    beat = heartbeat.from_env({heartbeat.ENV_DIR: str(tmp_path), "RANK": "3", "TORCHELASTIC_RESTART_COUNT": "2"})
+    monkeypatch.setattr(protocol, "_current", None)
+    beat = protocol.from_env({protocol.HEARTBEAT_ENV: str(tmp_path), "RANK": "3", "TORCHELASTIC_RESTART_COUNT": "2"})
     assert beat is not None
-    first = heartbeat.read(heartbeat.beat_path(tmp_path, 3))
+    first = protocol.read_beat(protocol.beat_path(tmp_path, 3))
     assert first is not None and (first.rank, first.restart, first.pid, first.phase) == (3, 2, os.getpid(), -1)
     beat.at_step(40)
     for phase in (meter.DATA, meter.FORWARD, meter.BACKWARD, meter.OPTIM, meter.OTHER, meter.CKPT):
         beat.beat(phase)
-    now = heartbeat.read(heartbeat.beat_path(tmp_path, 3))
+    now = protocol.read_beat(protocol.beat_path(tmp_path, 3))
     assert now is not None and (now.laps, now.step, now.done, now.phase) == (6, 41, 1, meter.CKPT)
     assert now.time >= first.time
-    monkeypatch.setattr(heartbeat, "_current", None)
+    monkeypatch.setattr(protocol, "_current", None)
 
 
 @pytest.fixture
@@ -71,8 +72,8 @@ def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def _write_beat(directory: Path, rank: int, pid: int, laps: int, phase: int, age: float, done: int = 5) -> None:
-    data = heartbeat._FORMAT.pack(heartbeat._MAGIC, rank, 0, pid, phase, laps, 10, done, time.monotonic() - age)
-    heartbeat.beat_path(directory, rank).write_bytes(data.ljust(heartbeat._SIZE, b"\0"))
+    data = protocol._FORMAT.pack(protocol._MAGIC, rank, 0, pid, phase, laps, 10, done, time.monotonic() - age)
+    protocol.beat_path(directory, rank).write_bytes(data.ljust(protocol._SIZE, b"\0"))
 
 
 def _wait_stopped(pid: int) -> None:
@@ -110,9 +111,9 @@ def test_a_tie_goes_to_the_stopped_rank_and_long_phases_get_more_time(
         tmp_path: Path, sleepers: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(watchdog, "python_stacks", lambda _dir, rank: "")
     dog = watchdog.Watchdog(tmp_path, 5.0, tmp_path / "run", "t")
-    _write_beat(tmp_path, 0, sleepers[0].pid, 30, heartbeat.SAVING, age=12)  # a save: 3 x 5 s allowed
-    _write_beat(tmp_path, 1, sleepers[1].pid, 30, heartbeat.SAVING, age=12)
-    _write_beat(tmp_path, 2, sleepers[2].pid, 30, heartbeat.STARTING, age=1000, done=0)  # start-up: never judged
+    _write_beat(tmp_path, 0, sleepers[0].pid, 30, protocol.SAVING, age=12)  # a save: 3 x 5 s allowed
+    _write_beat(tmp_path, 1, sleepers[1].pid, 30, protocol.SAVING, age=12)
+    _write_beat(tmp_path, 2, sleepers[2].pid, 30, protocol.STARTING, age=1000, done=0)  # start-up: never judged
     assert dog.check(time.monotonic()) is None
     os.kill(sleepers[1].pid, signal.SIGSTOP)
     _wait_stopped(sleepers[1].pid)  # the kernel stops it asynchronously

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.core import protocol
 from hpctrain.core.errors import EXIT_HUNG
 from hpctrain.launch import watchdog
-from hpctrain.telemetry import heartbeat, meter
+from hpctrain.telemetry import meter
 from tests.dist_utils import finish_launch
 from tests.launch.test_signal_exit import start, write_program
 
@@ -28,20 +29,20 @@ pytestmark = pytest.mark.slow  # launches: scheduled first (tests/conftest.py)
 HANG_S = 3
 
 
-def _beat(phase: int, done: int = 5) -> heartbeat.Beat:
-    return heartbeat.Beat(rank=0, restart=0, pid=1, phase=phase, laps=30, step=5, done=done, time=0.0)
+def _beat(phase: int, done: int = 5) -> protocol.Beat:
+    return protocol.Beat(rank=0, restart=0, pid=1, phase=phase, laps=30, step=5, done=done, time=0.0)
 
 
 def test_only_marked_long_phases_and_the_first_step_get_the_long_allowance() -> None:
     plain, long = 10.0, 10.0 * watchdog.LONG_FACTOR
     for phase in (meter.DATA, meter.FORWARD, meter.BACKWARD, meter.OPTIM, meter.CKPT, meter.EVAL, meter.OTHER):
-        assert watchdog.allowance(_beat(phase), 10.0) == plain, heartbeat.DOING_AFTER[phase]
-    for phase in (heartbeat.VALIDATING, heartbeat.SAVING, heartbeat.RESUMING, heartbeat.FINISHING):
-        assert watchdog.allowance(_beat(phase), 10.0) == long, heartbeat.DOING_AFTER[phase]
+        assert watchdog.allowance(_beat(phase), 10.0) == plain, protocol.DOING_AFTER[phase]
+    for phase in (protocol.VALIDATING, protocol.SAVING, protocol.RESUMING, protocol.FINISHING):
+        assert watchdog.allowance(_beat(phase), 10.0) == long, protocol.DOING_AFTER[phase]
     assert watchdog.allowance(_beat(meter.OTHER, done=0), 10.0) == long  # the first step: compilation
-    assert watchdog.allowance(_beat(heartbeat.RESUMING, done=0), 10.0) == long  # judged, unlike start-up
-    assert watchdog.allowance(_beat(heartbeat.STARTING, done=0), 10.0) == float("inf")
-    assert "preemption agreement" in heartbeat.DOING_AFTER[meter.OTHER]
+    assert watchdog.allowance(_beat(protocol.RESUMING, done=0), 10.0) == long  # judged, unlike start-up
+    assert watchdog.allowance(_beat(protocol.STARTING, done=0), 10.0) == float("inf")
+    assert "preemption agreement" in protocol.DOING_AFTER[meter.OTHER]
 
 
 @pytest.fixture
@@ -49,10 +50,10 @@ def fresh_heartbeat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     """This process beats into tmp_path/beats, as a rank of hpctrain run would."""
     beats = tmp_path / "beats"
     beats.mkdir()
-    monkeypatch.setenv(heartbeat.ENV_DIR, str(beats))
-    monkeypatch.setattr(heartbeat, "_current", None)
+    monkeypatch.setenv(protocol.HEARTBEAT_ENV, str(beats))
+    monkeypatch.setattr(protocol, "_current", None)
     yield beats
-    monkeypatch.setattr(heartbeat, "_current", None)
+    monkeypatch.setattr(protocol, "_current", None)
 
 
 def test_the_loop_marks_validation_saves_and_the_resume_and_nothing_else(
@@ -68,7 +69,7 @@ def test_the_loop_marks_validation_saves_and_the_resume_and_nothing_else(
 
     def looking(name: str, original):  # noqa: ANN001, ANN202 - a pass-through wrapper
         def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            beat = heartbeat.read(heartbeat.beat_path(fresh_heartbeat, 0))
+            beat = protocol.read_beat(protocol.beat_path(fresh_heartbeat, 0))
             seen.append((name, beat.phase if beat is not None else -99))
             return original(*args, **kwargs)
         return wrapper
@@ -86,8 +87,8 @@ def test_the_loop_marks_validation_saves_and_the_resume_and_nothing_else(
     assert judged == {("agreement", 1.0), ("save", watchdog.LONG_FACTOR), ("validation", watchdog.LONG_FACTOR),
                       ("resume", watchdog.LONG_FACTOR)}, seen
     assert [name for name, _ in seen].count("agreement") == 4
-    after = heartbeat.read(heartbeat.beat_path(fresh_heartbeat, 0))
-    assert after is not None and after.phase == heartbeat.FINISHING  # each mark gives back the phase before it
+    after = protocol.read_beat(protocol.beat_path(fresh_heartbeat, 0))
+    assert after is not None and after.phase == protocol.FINISHING  # each mark gives back the phase before it
 
 
 # A user's loop with the heartbeat's phases (as the meter laps them) and the per-step preemption
@@ -99,11 +100,11 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.checkpoint.preempt import Preemption
-from hpctrain.telemetry import heartbeat
+from hpctrain.core import protocol
 from hpctrain.telemetry.meter import CKPT, DATA, OPTIM, OTHER
 
 dist.init_process_group("gloo")
-rank, beat = dist.get_rank(), heartbeat.from_env()
+rank, beat = dist.get_rank(), protocol.from_env()
 preemption = Preemption(["SIGUSR1"])
 grad = torch.ones(4)
 for step in range(100_000):

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.checkpoint.preempt import OUTCOME_ENV, Preemption, all_preempted
+from hpctrain.checkpoint.preempt import Preemption
 from hpctrain.core.errors import EXIT_PREEMPTED, UserError
-from hpctrain.launch.program import SIGNALS_ENV, program_signals, user_program
+from hpctrain.core.protocol import OUTCOME_ENV, SIGNALS_ENV, all_preempted, program_signals
+from hpctrain.launch.program import user_program
 from hpctrain.launch.slurm import SlurmOptions, plan_job, render
 
 

@@ -1,5 +1,5 @@
 """``hpctrain slurm`` renders a job that extends a finished run (issue 24, point 5): it judges
-run.dir with the train section, as ``hpctrain train`` does (hpctrain.rundir.check_run_dir)."""
+run.dir with the train section, as ``hpctrain train`` does (hpctrain.core.rundir.check_run_dir)."""
 
 from __future__ import annotations
 

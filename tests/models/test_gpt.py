@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from hpctrain.config import ConfigError, load_config
-from hpctrain.estimate.model import TransformerShape
 from hpctrain.models import REGISTRY, ModelError, build_model, count_parameters
 from hpctrain.models.gpt import GPT, GPTShape
+from hpctrain.models.shape import TransformerShape
 
 SMALL = GPTShape(vocab=256, seq_len=16, n_layers=2, hidden=32, heads=4)
 

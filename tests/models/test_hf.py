@@ -23,9 +23,9 @@ from hpctrain.core.errors import EXIT_USER_ERROR
 from hpctrain.core.section import ConfigError
 from hpctrain.data.batch import Batch
 from hpctrain.models import ModelError, build_model
+from hpctrain.models.family import transformer_blocks
 from hpctrain.models.outputs import OutputError, logits_of, loss_of
 from hpctrain.parallel.meta import on_meta
-from hpctrain.parallel.units import transformer_blocks
 from hpctrain.tasks import CausalLM, Classification
 from hpctrain.train import train
 from tests.data.test_text import needs_sdist
@@ -155,13 +155,13 @@ def test_transformer_blocks_of_other_models_are_their_repeated_children():
 @pytest.mark.parametrize("keys, what", [(["parallel.tp=2"], r"parallel.tp=2 \(tensor parallel\)"),
                                         (["parallel.pp=2"], r"parallel.pp=2 \(pipeline parallel\)")])
 def test_tp_and_pp_refuse_a_model_without_a_plan(keys, what):
-    from hpctrain.parallel.plan import make_plan
+    from hpctrain.planning.layout import make_layout
 
     cfg = load_config(None, [f"model.name={HF}:gpt2", "data.name=shakespeare", *keys])
     env = ClusterEnv(rank=0, local_rank=0, world_size=2, local_world_size=2)
     with pytest.raises(ConfigError, match=rf"{what} needs a plan .* model.name={HF}:gpt2 \(GPT2LMHeadModel\) "
                                           r"has none; hint: .*parallel.strategy=ddp, fsdp, zero1 or deepspeed") as info:
-        make_plan(cfg, env)
+        make_layout(cfg, env)
     assert info.value.exit_code == EXIT_USER_ERROR
 
 
@@ -182,17 +182,17 @@ def _batch(task: str, step: int, rank: int) -> Batch:
 def _steps(env: ClusterEnv, strategy: str, factory: str, task_name: str) -> dict[str, Any]:
     """Two optimizer steps of the model under the strategy, as build_components sets it up;
     GPT-2 trains on its own loss (model.use_model_loss=true), the others on the task's."""
-    from hpctrain.parallel.fsdp import fsdp_modules
-    from hpctrain.parallel.plan import make_plan
-    from hpctrain.parallel.registry import make_strategy
+    from torch.distributed.fsdp import FSDPModule
+
+    from hpctrain.planning.layout import build_strategy, make_layout
     from hpctrain.tasks import build_task, training_loss
 
     name = f"{HF}:{factory}"
-    cfg, plan = make_plan(load_config(None, [f"model.name={name}", f"parallel.strategy={strategy}",
+    cfg, layout = make_layout(load_config(None, [f"model.name={name}", f"parallel.strategy={strategy}",
                                              "data.batch_size=2", f"model.use_model_loss={factory == 'gpt2'}"]), env)
     task = build_task(task_name)
     classes = VOCAB if task_name == "causal_lm" else 4
-    run = make_strategy(plan.strategy, plan, env, torch.device("cpu"), cfg.parallel, seed=0)
+    run = build_strategy(layout, env, torch.device("cpu"), cfg.parallel, seed=0)
     own_losses = []
 
     def loss_fn(output: Any, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -210,7 +210,8 @@ def _steps(env: ClusterEnv, strategy: str, factory: str, task_name: str) -> dict
         run.optimizer_step()
     out = task.eval_step(run.model, _batch(task_name, 9, env.rank), None)
     # fully_shard makes each unit an FSDP<Class>
-    units = [type(m).__name__.removeprefix("FSDP") for m in fsdp_modules(run.model) if m is not run.inner]
+    units = [type(m).__name__.removeprefix("FSDP") for m in run.model.modules()
+             if isinstance(m, FSDPModule) and m is not run.inner]
     return {"losses": losses, "eval": None if out is None else tuple(out.logits.shape), "units": units,
             "own_loss": own_losses}
 

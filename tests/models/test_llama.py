@@ -14,11 +14,11 @@ from hpctrain.config import ConfigError, load_config
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import UserError
 from hpctrain.estimate import flops
-from hpctrain.estimate.model import stage_layers
 from hpctrain.models import build_model, count_parameters
 from hpctrain.models.llama import Llama, LlamaShape, apply_rotary, rotary_angles
+from hpctrain.models.shape import stage_layers
 from hpctrain.parallel.pipeline import split_blocks
-from hpctrain.parallel.plan import make_plan
+from hpctrain.planning.layout import make_layout
 
 SMALL = LlamaShape(vocab=64, seq_len=16, n_layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=48)
 
@@ -153,15 +153,15 @@ LLAMA = ["model.name=llama", "model.n_layers=3", "model.hidden=32", "model.heads
 
 def test_what_llama_cannot_take_fails_before_start_naming_the_key() -> None:
     four = ClusterEnv(world_size=4, local_world_size=4)
-    make_plan(load_config(None, [*LLAMA, "parallel.tp=2", "parallel.strategy=fsdp"]), four)  # dp2 x tp2
-    make_plan(load_config(None, [*LLAMA, "parallel.pp=2", "parallel.strategy=fsdp"]), four)  # 3 blocks: 2 stages
+    make_layout(load_config(None, [*LLAMA, "parallel.tp=2", "parallel.strategy=fsdp"]), four)  # dp2 x tp2
+    make_layout(load_config(None, [*LLAMA, "parallel.pp=2", "parallel.strategy=fsdp"]), four)  # 3 blocks: 2 stages
     with pytest.raises(ConfigError, match=r"2 key/value heads \(model.kv_heads\), not divisible by tp=4") as err:
-        make_plan(load_config(None, [*LLAMA, "parallel.tp=4"]), four)
+        make_layout(load_config(None, [*LLAMA, "parallel.tp=4"]), four)
     assert isinstance(err.value, UserError) and "hint: a parallel.tp that divides" in str(err.value)
     with pytest.raises(ConfigError, match=r"parallel.pp=4 makes 4 pipeline stages, more than model.n_layers=3"):
-        make_plan(load_config(None, [*LLAMA, "parallel.pp=4"]), four)
+        make_layout(load_config(None, [*LLAMA, "parallel.pp=4"]), four)
     with pytest.raises(ConfigError, match="hint: model.tie_weights=false"):
-        make_plan(load_config(None, [*LLAMA, "model.tie_weights=true", "parallel.pp=2", "parallel.strategy=fsdp"]),
+        make_layout(load_config(None, [*LLAMA, "model.tie_weights=true", "parallel.pp=2", "parallel.strategy=fsdp"]),
                   four)
     for keys, message in ((["model.kv_heads=3"], r"model.kv_heads \(3\) must divide model.heads \(4\).*kv_heads=2"),
                           (["model.hidden=12", "model.heads=4"], "must be even"),

@@ -1,4 +1,4 @@
-"""parallel.strategy=auto and `hpctrain plan` (hpctrain.parallel.auto): with a memory budget from
+"""parallel.strategy=auto and `hpctrain plan` (hpctrain.planning.auto, hpctrain.cli.plan): with a memory budget from
 the config that plain DDP cannot meet, the plan chosen at 2 and at 4 gloo ranks shards, and the
 run's measured memory per rank (summary.json's breakdown) stays within the budget; the chosen
 values are the run's config.yaml; a budget nothing meets fails with exit 2 naming the smallest
@@ -15,8 +15,8 @@ import yaml
 from hpctrain.cli import main
 from hpctrain.config import ConfigError, load_config
 from hpctrain.core.env import ClusterEnv
-from hpctrain.parallel.auto import choose, resolve_auto
-from hpctrain.parallel.plan import make_plan
+from hpctrain.planning.auto import choose, resolve_auto
+from hpctrain.planning.layout import make_layout
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import train_cases
 
@@ -45,9 +45,9 @@ def test_the_budget_rules_out_ddp_and_a_sharded_plan_is_chosen(world):
     assert (cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.pp, cfg.data.batch_size) == \
         (c.strategy, c.tp, c.pp, c.micro_batch)
     cfg = resolve_auto(load_config(None, [*MODEL, *AUTO]), _world(world))  # what the trainer does first
-    _, plan = make_plan(cfg, _world(world))
-    assert (plan.strategy, plan.tp, plan.micro_batch, plan.grad_accum) == \
-        ("pipeline" if c.pp > 1 else c.strategy, c.tp, c.micro_batch, c.grad_accum)
+    _, layout = make_layout(cfg, _world(world))
+    assert (layout.strategy, layout.topology.tp, layout.topology.pp, layout.micro_batch, layout.grad_accum) == \
+        ("pipeline" if c.pp > 1 else c.strategy, c.tp, c.pp, c.micro_batch, c.grad_accum)
 
 
 @needs_sdist
@@ -81,8 +81,9 @@ def test_auto_on_cpu_needs_a_budget_and_a_registered_model():
         resolve_auto(load_config(None, [*MODEL, "parallel.strategy=auto"]), _world(2))
     with pytest.raises(ConfigError, match="model.name=tests.user_models:tiny_mlp declares no input shape"):
         resolve_auto(load_config(None, ["model.name=tests.user_models:tiny_mlp", *AUTO]), _world(2))
-    with pytest.raises(ConfigError, match="parallel.strategy=auto is chosen before the plan; hint: cfg = "):
-        make_plan(load_config(None, [*MODEL, *AUTO]), _world(2))  # a hand-built loop that skipped it
+    with pytest.raises(ConfigError, match=r"parallel.strategy=auto is chosen before the layout; hint: cfg = "
+                                          r"hpctrain.planning.auto.resolve_auto\(cfg, env\), then make_layout"):
+        make_layout(load_config(None, [*MODEL, *AUTO]), _world(2))  # a hand-built loop that skipped it
 
 
 def test_hpctrain_plan_prints_the_candidates_and_the_choice(capsys):
@@ -104,7 +105,7 @@ def test_on_a_gpu_the_budget_is_its_memory_and_the_rate_its_peak(monkeypatch):
     """The CUDA path, on this CPU machine: the device's properties stand in for a lent H100."""
     import torch
 
-    from hpctrain.parallel.auto import detect_machine
+    from hpctrain.planning.auto import detect_machine
 
     h100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_000_000_000)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

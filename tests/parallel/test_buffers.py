@@ -22,7 +22,7 @@ from torch import nn
 
 from hpctrain.checkpoint import layout
 from hpctrain.core.env import ClusterEnv
-from hpctrain.rundir import ParamsHash
+from hpctrain.weights.digest import ParamsHash
 from tests.checkpoint import test_preempt as preempt
 from tests.dist_utils import run_ranks
 
@@ -73,7 +73,7 @@ if HAS_DEEPSPEED:
 
 def _sync_check(env: ClusterEnv) -> tuple[int, list[float]]:
     """Each rank's buffers made its rank number + 1, then synced: rank 0's everywhere."""
-    from hpctrain.parallel.buffers import sync_buffers
+    from hpctrain.core.modules import sync_buffers
 
     model = TinyBN()
     for buf in model.buffers():

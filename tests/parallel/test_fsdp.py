@@ -76,7 +76,7 @@ def _check_estimate(measured: dict, strategy: str) -> None:
     divided as the strategy divides them) agrees with what the rank really holds, within 15%
     for each of parameters, gradients and optimizer state (issue 11's check against a real
     DDP / FSDP run; activations are compared on a GPU in tests/estimate/test_estimate.py)."""
-    from hpctrain.estimate.memory import predict_rank_bytes
+    from hpctrain.estimate import predict_rank_bytes
 
     predicted = predict_rank_bytes(MODELS["toy"](4), strategy, 2, precision="fp32")
     for key, value in (("params", predicted.weights), ("grads", predicted.grads), ("optimizer", predicted.optimizer)):
@@ -96,7 +96,8 @@ def test_fsdp_with_activation_checkpointing_matches_one_process(mode):
 
 
 def test_fsdp_accumulation_without_sync_matches_one_process():
-    """2 micro-batches per rank, the first without reduce-scatter (set_requires_gradient_sync(False))."""
+    """2 micro-batches per rank through the strategy's no_sync(), which by default reduce-scatters
+    both (parallel.reduce_every_microstep; the skipping variant equals it: test_fsdp_accum_grads.py)."""
     _check_parity(run_ranks(2, train_toy, {"strategy": "fsdp"}, 10, 4, 1e-2, 0.0, "toy", 2)[0])
 
 

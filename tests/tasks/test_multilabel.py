@@ -15,10 +15,10 @@ from torch.utils.data import TensorDataset
 
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import UserError
-from hpctrain.data.memory import EvalLoader
+from hpctrain.data.in_memory import EvalLoader
 from hpctrain.evaluation.evaluate import evaluate
-from hpctrain.evaluation.metrics import EvalOutput, MultilabelMetrics
 from hpctrain.tasks import Multilabel
+from hpctrain.tasks.metrics import EvalOutput, MultilabelMetrics
 from tests.dist_utils import run_ranks, train_cases
 
 CPU = torch.device("cpu")

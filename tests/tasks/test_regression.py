@@ -16,10 +16,10 @@ from torch.utils.data import TensorDataset
 
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import UserError
-from hpctrain.data.memory import EvalLoader, MemoryLoader
+from hpctrain.data.in_memory import EvalLoader, MemoryLoader
 from hpctrain.evaluation.evaluate import evaluate, evaluate_dataset
-from hpctrain.evaluation.metrics import EvalOutput, Metric, user_metrics
 from hpctrain.tasks import Regression
+from hpctrain.tasks.metrics import EvalOutput, Metric, user_metrics
 from tests.dist_utils import run_ranks, train_cases
 
 pytest.importorskip("pyarrow")

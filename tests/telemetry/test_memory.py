@@ -1,4 +1,4 @@
-"""The memory breakdown (hpctrain/telemetry/memory.py, hpctrain/parallel/footprint.py): bytes
+"""The memory breakdown (hpctrain/telemetry/memory_breakdown.py, footprint.py, measure.py): bytes
 saved for backward counted once per storage while held, parameters left out; the probe's
 parameters / gradients / optimizer state / activations after the first optimizer step, with
 accumulation, ZeRO-1 and DeepSpeed ZeRO-3 on gloo ranks, and in ``hpctrain train``'s summary."""
@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from hpctrain.config import load_config
-from hpctrain.parallel.footprint import state_bytes
-from hpctrain.telemetry.memory import MemoryProbe, SavedTensorMeter
+from hpctrain.telemetry.footprint import state_bytes
+from hpctrain.telemetry.measure import SavedTensorMeter
+from hpctrain.telemetry.memory_breakdown import MemoryProbe
 from hpctrain.train import train
 from tests.dist_utils import run_ranks
 
@@ -79,7 +80,7 @@ def test_probe_breaks_down_the_first_step_and_counts_one_micro_batch_under_accum
     (row,) = probe.summary()["memory_breakdown"]
     assert row == {"rank": 0, "params_bytes": numel * F32, "grads_bytes": numel * F32,
                    "optimizer_bytes": 2 * numel * F32 + 4 * F32,  # m and v, and AdamW's 4 step counters
-                   "activations_bytes": _one_forward_saved_bytes(model, batches[0][:4])}
+                   "activations_bytes": _one_forward_saved_bytes(model, batches[0][:4]), "gathered_bytes": 0}
     model(batches[0]).sum()  # after the first step nothing is counted any more
     assert probe._meter is not None and probe._meter.live == 0
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks  # removed

@@ -18,8 +18,8 @@ import torch
 
 from hpctrain.config import load_config
 from hpctrain.models.gpt import GPT, GPTShape
-from hpctrain.rundir import params_sha256
 from hpctrain.train import train
+from hpctrain.weights.digest import params_sha256
 from tests.checkpoint.test_export_stream import corpus_shards
 from tests.dist_utils import train_cases
 from tests.gpt_runs import step_losses

@@ -122,8 +122,8 @@ def test_inner_micro_steps_skip_the_gradient_sync():
     from torch.nn.parallel import DistributedDataParallel
 
     from hpctrain.config.parallel import ParallelConfig
+    from hpctrain.core.topology import Topology
     from hpctrain.parallel.ddp import DDP
-    from hpctrain.parallel.plan import plan_for
 
     class Fake(DistributedDataParallel):
         def __init__(self):  # no process group needed to check the dispatch
@@ -137,7 +137,7 @@ def test_inner_micro_steps_skip_the_gradient_sync():
             self.entered += 1
             return contextlib.nullcontext()
 
-    strategy = DDP(plan_for(ParallelConfig(), ClusterEnv()), ClusterEnv(), torch.device("cpu"), ParallelConfig())
+    strategy = DDP(Topology(), ClusterEnv(), torch.device("cpu"), ParallelConfig())
     strategy.model, strategy.loss_fn = Fake(), lambda out, target, mask: out.sum()
     inputs, targets = torch.ones(3, 4), torch.zeros(3)
     strategy.micro_step(inputs, targets, None, sync=False, accum=2)

@@ -12,7 +12,7 @@ import pytest
 from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.state import config_changes
 from hpctrain.config import load_config, to_dict
-from hpctrain.rundir import RunDirError
+from hpctrain.core.rundir import RunDirError
 from hpctrain.train import train
 from tests.dist_utils import train_cases
 

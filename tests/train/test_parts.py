@@ -16,8 +16,8 @@ from hpctrain.launch.local import torchrun_args
 from hpctrain.optim import lr_factor, peak_lr
 from hpctrain.parallel import unwrap
 from hpctrain.precision import Precision
-from hpctrain.rundir import params_sha256
 from hpctrain.train import build_components, fit, load_data, seed_everything
+from hpctrain.weights.digest import params_sha256
 
 CPU = torch.device("cpu")
 
@@ -210,7 +210,7 @@ def test_best_is_tracked_in_training():
                              "data.synthetic_size=256", "train.progress=false", "train.best_metric=val_loss"])
     env = ClusterEnv()
     parts = build_components(cfg, env, CPU, load_data(cfg, env, CPU))
-    loop = Loop(cfg, env, CPU, parts, Telemetry.build(cfg.telemetry, env, CPU, 0, batch=parts.plan))
+    loop = Loop(cfg, env, CPU, parts, Telemetry.build(cfg.telemetry, env, CPU, 0, batch=parts.layout))
     _validate(loop)
     result = loop.result
     assert result.best["metric"] == "val_loss" and result.best["value"] == result.last_eval.metrics["loss"]

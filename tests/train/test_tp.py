@@ -16,13 +16,13 @@ import torch
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.core.env import ClusterEnv
-from hpctrain.data.memory import EvalLoader
+from hpctrain.data.in_memory import EvalLoader
 from hpctrain.data.synthetic import synthetic
 from hpctrain.evaluation.evaluate import evaluate
-from hpctrain.evaluation.metrics import default_metrics
 from hpctrain.parallel import mesh_for
 from hpctrain.parallel.mesh import dp_group
-from hpctrain.parallel.plan import make_plan, plan_for
+from hpctrain.planning.layout import layout_for, make_layout
+from hpctrain.tasks.metrics import default_metrics
 from hpctrain.train import train
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import ROOT, launch_env, run_ranks, train_cases
@@ -98,8 +98,8 @@ def tp2(two_ranks: Path) -> Path:
 
 
 def _data_env(cfg, env):  # type: ignore[no-untyped-def]
-    """The world the data sees: one rank per data-parallel replica (the run's plan, hpctrain.parallel.plan)."""
-    return plan_for(cfg.parallel, env).data_env(env)
+    """The world the data sees: one rank per data-parallel replica (the run's layout, hpctrain.planning.layout)."""
+    return layout_for(cfg.parallel, env).data_env(env)
 
 
 def test_data_env_is_the_dp_coordinate() -> None:
@@ -192,18 +192,18 @@ def test_tp_checks_name_the_numbers() -> None:
     two = ClusterEnv(world_size=2, local_world_size=2)
     cnn = load_config(None, ["model.name=simple_cnn", "data.name=synthetic_cifar", "parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"parallel.tp=2 cannot split model.name=simple_cnn: .* SimpleCNN has none"):
-        make_plan(cnn, two)
+        make_layout(cnn, two)
     heads = load_config(None, [*BASE, "model.heads=1", "model.hidden=32", "parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"model.name=gpt: blocks.0.attn has 1 heads, not divisible by tp=2"):
-        make_plan(heads, two)
+        make_layout(heads, two)
     three = ClusterEnv(world_size=3, local_world_size=3)
     with pytest.raises(ConfigError, match=r"= 2 != world size 3"):
-        make_plan(load_config(None, [*BASE, "parallel.tp=2"]), three)
+        make_layout(load_config(None, [*BASE, "parallel.tp=2"]), three)
     fp16 = load_config(None, [*BASE, "parallel.tp=2", "precision=fp16"])
     with pytest.raises(ConfigError, match=r"precision=fp16 with parallel.tp=2 needs .* \(got dp=1, strategy=ddp\)"):
-        make_plan(fp16, two)
+        make_layout(fp16, two)
     compiled = load_config(None, [*BASE, "parallel.tp=2", "train.compile=true",
                                   "parallel.activation_checkpointing=block"])
     with pytest.raises(ConfigError, match=r"hint: parallel.activation_checkpointing=none, or train.compile=false"):
-        make_plan(compiled, two)
-    make_plan(load_config(None, [*BASE, "parallel.tp=2"]), two)
+        make_layout(compiled, two)
+    make_layout(load_config(None, [*BASE, "parallel.tp=2"]), two)

@@ -1,0 +1,70 @@
+"""The shard index of one split: a manifest and its per-shard indexes as flat arrays over global
+sample ids (shard-major numbering), checked when opened (every shard present and a regular file;
+which are truncated)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpctrain.data.errors import ShardError
+from hpctrain.data.manifest import data_dir, load_index, load_manifest, manifest_path
+
+
+class ShardIndex:
+    """Manifest + per-shard indexes of one split, as flat arrays over global sample ids."""
+
+    def __init__(self, root: str | Path, split: str) -> None:
+        self.root, self.split = Path(root), split
+        self.manifest = load_manifest(root, split)
+        self.data_root = data_dir(root, self.manifest)  # the tars; root holds manifest and indexes
+        self.shards = self.manifest["shards"]
+        self.fields: list[str] = list(self.manifest["fields"])
+        self.decode: dict[str, Any] = self.manifest.get("decode") or {}
+        self.classes: list[str] = list(self.manifest.get("classes") or [])
+        self._check_present()
+        # load_index checks every range (non-negative, inside the declared bytes) and gives int64 arrays
+        indexes = [load_index(root, s, self.fields) for s in self.shards]
+        self.sizes = [len(ix["keys"]) for ix in indexes]
+        self.keys: list[str] = [k for ix in indexes for k in ix["keys"]]
+        self.shard_of = np.repeat(np.arange(len(indexes), dtype=np.int32), self.sizes)
+        self.start = np.concatenate([ix["start"] for ix in indexes])
+        self.length = np.concatenate([ix["end"] for ix in indexes]) - self.start
+        self.crc = np.concatenate([ix["crc32"] for ix in indexes])
+        self.offsets = np.concatenate([ix["offsets"] for ix in indexes])
+        # what each shard held when opened: a read never asks for more than is there (see ShardDataset.read)
+        self.file_bytes = [(self.data_root / s["name"]).stat().st_size for s in self.shards]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _check_present(self) -> None:
+        """A shard the manifest lists but the directory lacks is missing input (not a truncated one)."""
+        if not self.shards:
+            raise ShardError(f"{manifest_path(self.root, self.split)} lists no shards; hint: write the split again "
+                             "(`hpctrain data shard` or `hpctrain data index`)")
+        odd = [s["name"] for s in self.shards if (self.data_root / s["name"]).exists()
+               and not (self.data_root / s["name"]).is_file()]
+        if odd:  # a FIFO would block the first read, a device stream forever
+            raise ShardError(f"shard {self.data_root / odd[0]} is not a regular file (a FIFO, device or directory); "
+                             f"hint: put the tar file itself there, then `hpctrain data verify {self.root}`")
+        missing = [s["name"] for s in self.shards if not (self.data_root / s["name"]).is_file()]
+        if missing:
+            shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+            manifest = manifest_path(self.root, self.split)
+            raise ShardError(f"{len(missing)} of the {len(self.shards)} shards that {manifest} lists are missing from "
+                             f"{self.data_root}: {shown}; hint: copy them back (or stage the data again), then check "
+                             f"with `hpctrain data verify {self.root}`")
+
+    def truncated(self) -> list[tuple[str, str]]:
+        """(shard, first sample key past the end) for each shard shorter than its index says."""
+        out, first = [], 0
+        for shard, count, size in zip(self.shards, self.sizes, self.file_bytes):
+            ends = self.start[first : first + count] + self.length[first : first + count]
+            beyond = np.nonzero(ends > size)[0]
+            if len(beyond):
+                out.append((shard["name"], self.keys[first + int(beyond[0])]))
+            first += count
+        return out
