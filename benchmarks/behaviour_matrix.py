@@ -81,8 +81,11 @@ def _result(run: Path, proc: subprocess.CompletedProcess[str], seconds: float) -
             "steps": summary["steps"], "seconds": round(seconds, 1)}
 
 
+EXTRA: list[str] = []  # --keys: added to every case (to hold a changed default at its old value)
+
+
 def _base(name: str, shards: Path) -> list[str]:
-    return list(MNIST) if name.startswith("mnist") else [*GPT, f"data.path={shards}"]
+    return [*(MNIST if name.startswith("mnist") else [*GPT, f"data.path={shards}"]), *EXTRA]
 
 
 def run_case(src: Path, work: Path, name: str, shards: Path) -> dict[str, Any]:
@@ -135,8 +138,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="JSON file to write the results to")
     parser.add_argument("--src", type=Path, default=ROOT, help="the checkout to run (default: this one)")
     parser.add_argument("--only", nargs="*", default=[], help="case names (default: all)")
+    parser.add_argument("--keys", nargs="*", default=[], metavar="K=V",
+                        help="config keys added to every case, e.g. a changed default at its old value")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args()
+    EXTRA[:] = args.keys
     if args.compare:
         return compare(*args.compare)
     if args.out is None:
