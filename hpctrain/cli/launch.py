@@ -201,22 +201,22 @@ def _slurm_write(args: argparse.Namespace) -> int:
         max_requeues=args.max_requeues, signal_lead_s=args.signal_lead, python=args.python,
         rdzv_port=args.rdzv_port, env=tuple(args.env), signal=args.signal, hang_timeout_s=args.hang_timeout,
         run_dir=args.run_dir)
-    plan = slurm.plan_job(opts, args.config_args)
-    text = slurm.render(plan)
-    warning = slurm.missing_cpus_warning(plan)
+    job = slurm.sbatch_job(opts, args.config_args)
+    text = slurm.render(job)
+    warning = slurm.missing_cpus_warning(job)
     if warning:
         print(f"hpctrain slurm: warning: {warning}", file=sys.stderr)
     if args.dry_run:
         sys.stdout.write(text)
         return 0
-    script = slurm.write_script(plan, text)
+    script = slurm.write_script(job, text)
     if not args.submit:
         print(f"wrote {script}; submit with: sbatch {script}  (or hpctrain slurm ... --submit)")
         return 0
 
-    job_id = submit(script, plan.run_dir, opts.nodes)
+    job_id = submit(script, job.run_dir, opts.nodes)
     print(f"submitted job {job_id}: {script}")
-    print(f"logs: {plan.run_dir}/slurm-{job_id}.out; status: hpctrain slurm status {plan.run_dir}")
+    print(f"logs: {job.run_dir}/slurm-{job_id}.out; status: hpctrain slurm status {job.run_dir}")
     return 0
 
 

@@ -96,7 +96,7 @@ class SlurmOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobPlan:
+class SbatchJob:
     """Everything the script needs, after validation: numbers agree, paths are absolute."""
 
     opts: SlurmOptions
@@ -291,8 +291,8 @@ def measured_validation_s(run_dir: Path) -> float:
     return longest
 
 
-def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, str] | None = None,
-             workdir: Path | None = None) -> JobPlan:
+def sbatch_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, str] | None = None,
+             workdir: Path | None = None) -> SbatchJob:
     """Validate options and config together; nothing is written before this returns."""
     environ = os.environ if environ is None else environ
     workdir = (workdir or Path.cwd()).resolve()
@@ -315,13 +315,13 @@ def plan_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str, s
     exports = {k: v for k, v in sorted(environ.items()) if k.startswith(PASS_THROUGH)}
     exports.update(item.split("=", 1) for item in opts.env)  # type: ignore[misc]
     _check_rendered(run_dir, workdir, exports)
-    return JobPlan(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
+    return SbatchJob(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
                    signal=sig, run_dir=run_dir, workdir=workdir, config_args=args, python=python, exports=exports,
                    container=container)
 
 
 def _plan_program(opts: SlurmOptions, program: list[str], environ: Mapping[str, str], workdir: Path, sig: str,
-                  gpus: int, nproc: int, time_s: int) -> JobPlan:
+                  gpus: int, nproc: int, time_s: int) -> SbatchJob:
     """A user's own script or module instead of hpctrain train: the same job (trap, forward,
     requeue on exit 3, logs in the run directory, containers); the program's preemption
     signals follow --signal through the environment (hpctrain.core.protocol.SIGNALS_ENV)."""
@@ -334,7 +334,7 @@ def _plan_program(opts: SlurmOptions, program: list[str], environ: Mapping[str, 
     exports.update(item.split("=", 1) for item in opts.env)  # type: ignore[misc]
     exports[SIGNALS_ENV] = ",".join(dict.fromkeys([f"SIG{sig}", "SIGTERM"]))
     _check_rendered(run_dir, workdir, exports)
-    return JobPlan(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
+    return SbatchJob(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
                    signal=sig, run_dir=run_dir, workdir=workdir, config_args=(), exports=exports,
                    python=opts.python or ("python3" if container else sys.executable), container=container,
                    program=tuple(program))
@@ -383,84 +383,84 @@ def _container(opts: SlurmOptions, gpus: int, run_dir: Path, workdir: Path, data
 # ---------------------------------------------------------------- rendering
 
 
-def render(plan: JobPlan) -> str:
+def render(job: SbatchJob) -> str:
     """The whole sbatch script: header, environment, the step, the trap and the requeue rule."""
-    return "\n".join([*_header(plan), "", *_preamble(plan), "", *_step(plan), "", *_outcome(plan), ""])
+    return "\n".join([*_header(job), "", *_preamble(job), "", *_step(job), "", *_outcome(job), ""])
 
 
-def _header(plan: JobPlan) -> list[str]:
-    o, run = plan.opts, plan.run_dir
+def _header(job: SbatchJob) -> list[str]:
+    o, run = job.opts, job.run_dir
     # job_name: _check_words; run.name: _check_rendered
     lines = ["#!/bin/bash", f"#SBATCH --job-name={o.job_name or 'hpctrain-' + run.name}",
              f"#SBATCH --nodes={o.nodes}", "#SBATCH --ntasks-per-node=1"]
     if o.gres:
         lines.append(f"#SBATCH --gres={o.gres}")
-    elif plan.gpus:
-        lines.append(f"#SBATCH --gpus-per-node={plan.gpus}")
+    elif job.gpus:
+        lines.append(f"#SBATCH --gpus-per-node={job.gpus}")
     lines += [f"#SBATCH --{name.replace('_', '-')}={getattr(o, name)}"
               for name in ("cpus_per_task", "mem", "partition", "account", "qos") if getattr(o, name) is not None]
-    return lines + [f"#SBATCH --time={o.time.strip()}", f"#SBATCH --signal=B:{plan.signal}@{plan.signal_lead_s}",
-                    "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --chdir={plan.workdir}",
+    return lines + [f"#SBATCH --time={o.time.strip()}", f"#SBATCH --signal=B:{job.signal}@{job.signal_lead_s}",
+                    "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --chdir={job.workdir}",
                     f"#SBATCH --output={run / 'slurm-%j.out'}", f"#SBATCH --error={run / 'slurm-%j.err'}"]
 
 
-def _preamble(plan: JobPlan) -> list[str]:
-    sig = plan.signal
+def _preamble(job: SbatchJob) -> list[str]:
+    sig = job.signal
     lines = ["# Written by `hpctrain slurm`; `hpctrain slurm status RUN_DIR` reports on the job.",
              f"# On {sig} (the time-limit warning, or `scancel --signal={sig} --batch`) the trap below forwards",
              "# it to the job step; the ranks save and exit 3; only then, and only while fewer than",
              "# MAX_REQUEUES requeues happened, this shell (on the host) runs `scontrol requeue`.",
-             "set -u", f"RUN_DIR={shlex.quote(str(plan.run_dir))}", f"MAX_REQUEUES={plan.opts.max_requeues}",
+             "set -u", f"RUN_DIR={shlex.quote(str(job.run_dir))}", f"MAX_REQUEUES={job.opts.max_requeues}",
              'echo "hpctrain: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST'
              ' at $(date -u +%FT%TZ)"']
-    if plan.opts.setup:
-        lines += ["# set-up (--setup)", plan.opts.setup]
-    lines += _threads(plan)
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in plan.exports.items()]
-    port = plan.opts.rdzv_port
+    if job.opts.setup:
+        lines += ["# set-up (--setup)", job.opts.setup]
+    lines += _threads(job)
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in job.exports.items()]
+    port = job.opts.rdzv_port
     return lines + ['HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
                     f"RDZV_PORT={port}" if port else
                     "RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))  # per job: two jobs on one node never collide"]
 
 
-def _threads(plan: JobPlan) -> list[str]:
+def _threads(job: SbatchJob) -> list[str]:
     """OMP_NUM_THREADS: the CPUs per rank (--cpus-per-task / ranks per node; without it, the CPUs
     Slurm gave the node's task, known only in the job); an --env OMP_NUM_THREADS of the user's wins."""
-    if "OMP_NUM_THREADS" in plan.opts_env_names:
+    if "OMP_NUM_THREADS" in job.opts_env_names:
         return []
-    if plan.opts.cpus_per_task:
-        return [f"export OMP_NUM_THREADS={max(1, plan.opts.cpus_per_task // plan.nproc)}  # CPUs per rank"]
-    return [f"OMP_NUM_THREADS=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {plan.nproc} ))  # no --cpus-per-task: the "
+    if job.opts.cpus_per_task:
+        return [f"export OMP_NUM_THREADS={max(1, job.opts.cpus_per_task // job.nproc)}  # CPUs per rank"]
+    return [f"OMP_NUM_THREADS=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {job.nproc} ))  # no --cpus-per-task: the "
             "CPUs Slurm gave this node's task, per rank",
             '[ "$OMP_NUM_THREADS" -ge 1 ] || OMP_NUM_THREADS=1; export OMP_NUM_THREADS']
 
 
-def missing_cpus_warning(plan: JobPlan) -> str | None:
+def missing_cpus_warning(job: SbatchJob) -> str | None:
     """What to tell a user who gave no --cpus-per-task (the job then gets the site's default, often one
     CPU for the node's task, that is for all of its ranks and their data loader workers)."""
-    if plan.opts.cpus_per_task:
+    if job.opts.cpus_per_task:
         return None
     return (f"no --cpus-per-task: each node's task gets the cluster's default CPU count (often 1) for its "
-            f"{plan.nproc} rank(s) and their data loader workers; the job sets OMP_NUM_THREADS to the CPUs it "
-            f"got / {plan.nproc}; hint: --cpus-per-task C (C >= {plan.nproc}, e.g. the node's cores)")
+            f"{job.nproc} rank(s) and their data loader workers; the job sets OMP_NUM_THREADS to the CPUs it "
+            f"got / {job.nproc}; hint: --cpus-per-task C (C >= {job.nproc}, e.g. the node's cores)")
 
 
-def _step(plan: JobPlan) -> list[str]:
-    o, c = plan.opts, plan.container
+def _step(job: SbatchJob) -> list[str]:
+    o, c = job.opts, job.container
     srun = ["srun", f"--nodes={o.nodes}", "--ntasks-per-node=1", *(c.srun_options() if c else [])]
     prefix = c.task_prefix() if c else []
-    launcher = [shlex.quote(plan.python), "-m", "hpctrain", "run", f"--nnodes={o.nodes}", f"--nproc={plan.nproc}",
+    launcher = [shlex.quote(job.python), "-m", "hpctrain", "run", f"--nnodes={o.nodes}", f"--nproc={job.nproc}",
                 '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
-                f"--shutdown-timeout={plan.signal_lead_s}",
+                f"--shutdown-timeout={job.signal_lead_s}",
                 *([f"--hang-timeout={o.hang_timeout_s:g}"] if o.hang_timeout_s is not None else []),
-                *(['--run-dir="$RUN_DIR"'] if plan.program else [])]
-    command = list(plan.program) if plan.program else ["train", *plan.config_args]
+                *(['--run-dir="$RUN_DIR"'] if job.program else [])]
+    command = list(job.program) if job.program else ["train", *job.config_args]
     parts = [" ".join(srun), *([" ".join(prefix)] if prefix else []), " ".join(launcher),
              " ".join(map(shlex.quote, command)) + " &"]
     return ["interrupted=0",
-            f'forward() {{ interrupted=1; echo "hpctrain: {plan.signal} at $(date -u +%FT%TZ), forwarding to the job'
-            f' step"; {_forward(plan.signal)}; }}',
-            f"trap forward {plan.signal}", "started=$(date +%s)",
+            f'forward() {{ interrupted=1; echo "hpctrain: {job.signal} at $(date -u +%FT%TZ), forwarding to the job'
+            f' step"; {_forward(job.signal)}; }}',
+            f"trap forward {job.signal}", "started=$(date +%s)",
             " \\\n  ".join(parts), "step=$!",
             "# bash runs a trap only once `wait` returns: wait again until the step itself has ended",
             'wait "$step"; code=$?',
@@ -475,7 +475,7 @@ def _forward(sig: str) -> str:
     return f'scancel --signal={sig} "$SLURM_JOB_ID"'
 
 
-def _outcome(plan: JobPlan) -> list[str]:
+def _outcome(job: SbatchJob) -> list[str]:
     return ['status="$RUN_DIR/status.json"; restarts=${SLURM_RESTART_COUNT:-0}; preempted=0',
             'if [ "$code" -eq 3 ]; then preempted=1',
             "# the ranks saved and said so, but the step's own code is srun's (a task killed after the save) or"
@@ -493,10 +493,10 @@ def _outcome(plan: JobPlan) -> list[str]:
 # ---------------------------------------------------------------- files in the run directory
 
 
-def write_script(plan: JobPlan, text: str) -> Path:
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    claim_run_dir(plan.run_dir)  # the job's ranks then find a run directory of hpctrain's, not foreign files
-    path = plan.run_dir / SCRIPT_NAME
+def write_script(job: SbatchJob, text: str) -> Path:
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(job.run_dir)  # the job's ranks then find a run directory of hpctrain's, not foreign files
+    path = job.run_dir / SCRIPT_NAME
     atomic_write_text(path, text)
     path.chmod(0o755)
     return path

@@ -137,18 +137,17 @@ def peak_flops(device: torch.device, precision: str, override_tflops: float | No
     return Peak(peak_tflops(key, table_precision) * 1e12, f"{name} dense {table_precision} (datasheet)")
 
 
+# (substring of the reported device name, the table's key), the first match wins: more specific first
+_DEVICE_KEYS = (("mi300x", "mi300x"), ("h200", "h200"), ("h800", "h800"), ("h100 nvl", "h100-nvl"),
+                ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100-sxm4-40gb", "a100-40gb"),
+                ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100"), ("b200", "b200"), ("l40s", "l40s"),
+                ("v100", "v100"))
+
+
 def accelerator_key(device_name: str) -> str | None:
     """The peak table's key for a device name as CUDA/ROCm reports it, e.g. 'NVIDIA H100 80GB HBM3'."""
     name = device_name.lower()
-    if "mi300x" in name:
-        return "mi300x"
-    if "h200" in name:
-        return "h200"
-    if "h100" in name:
-        return "h100-pcie" if "pcie" in name else "h100-sxm"
-    if "a100" in name:
-        return "a100"
-    return None
+    return next((key for part, key in _DEVICE_KEYS if part in name), None)
 
 
 def _table_precision(precision: str) -> str:

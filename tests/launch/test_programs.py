@@ -16,7 +16,7 @@ from hpctrain.checkpoint.preempt import Preemption
 from hpctrain.core.errors import EXIT_PREEMPTED, UserError
 from hpctrain.core.protocol import OUTCOME_ENV, SIGNALS_ENV, all_preempted, program_signals
 from hpctrain.launch.program import user_program
-from hpctrain.launch.slurm import SlurmOptions, plan_job, render
+from hpctrain.launch.slurm import SlurmOptions, render, sbatch_job
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_what_counts_as_a_users_program(script: Path) -> None:
 
 def test_the_job_script_runs_the_program_with_the_chosen_signal(script: Path, tmp_path: Path) -> None:
     opts = SlurmOptions(nodes=2, time="01:00:00", signal="HUP", run_dir="runs/mine")
-    plan = plan_job(opts, ["python", script.name, "--epochs", "3"], environ={}, workdir=tmp_path)
+    plan = sbatch_job(opts, ["python", script.name, "--epochs", "3"], environ={}, workdir=tmp_path)
     text = render(plan)
     assert plan.run_dir == tmp_path / "runs" / "mine" and plan.program == (str(script), "--epochs", "3")
     assert f"export {SIGNALS_ENV}=SIGHUP,SIGTERM" in text
@@ -53,7 +53,7 @@ def test_the_job_script_runs_the_program_with_the_chosen_signal(script: Path, tm
 
 
 def test_a_module_gets_a_run_directory_named_after_it(tmp_path: Path) -> None:
-    plan = plan_job(SlurmOptions(nodes=1, time="10:00"), ["python", "-m", "pkg.train"], environ={}, workdir=tmp_path)
+    plan = sbatch_job(SlurmOptions(nodes=1, time="10:00"), ["python", "-m", "pkg.train"], environ={}, workdir=tmp_path)
     assert plan.run_dir == tmp_path / "runs" / "train" and plan.program == ("-m", "pkg.train")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.cli import main
-from hpctrain.launch.slurm import SlurmOptions, plan_job, render
+from hpctrain.launch.slurm import SlurmOptions, render, sbatch_job
 
 TIME = ["--nodes", "1", "--time", "10"]
 
@@ -46,7 +46,7 @@ def test_other_values_reach_the_job_as_they_were_written(tmp_path: Path) -> None
     setup-free parts of the script: bash parses the rendered step into exactly the words given."""
     odd = "a'b\"c\n$(touch pwned);`touch pwned`"
     opts = SlurmOptions(nodes=1, time="10", env=[f"MY_VAR={odd}"])
-    plan = plan_job(opts, ["data.name=synthetic_tiny", f"data.path={odd}", f"run.dir={tmp_path / 'run'}"],
+    plan = sbatch_job(opts, ["data.name=synthetic_tiny", f"data.path={odd}", f"run.dir={tmp_path / 'run'}"],
                     environ={}, workdir=tmp_path)
     script = render(plan)
     # run the script's exports and step with srun replaced by a printer of its arguments

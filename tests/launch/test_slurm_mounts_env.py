@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from hpctrain.cli import main
-from hpctrain.launch.slurm import SlurmOptions, plan_job, render
+from hpctrain.launch.slurm import SlurmOptions, render, sbatch_job
 
 TIME = ["--nodes", "1", "--time", "10"]
 CONFIG = ["data.name=synthetic_tiny", "run.dir=runs/x"]
@@ -100,10 +100,10 @@ def test_every_variable_a_rendered_script_assigns_is_refused_as_env(tmp_path, mo
     NCCL_*/GLOO_* aside, OMP_NUM_THREADS is the one default an --env of the user's may set."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("print('hi')\n")
-    scripts = [render(plan_job(SlurmOptions(nodes=2, time="10", gpus_per_node=4, container="/i.sif",
+    scripts = [render(sbatch_job(SlurmOptions(nodes=2, time="10", gpus_per_node=4, container="/i.sif",
                                             container_runtime="apptainer", env=("MY_X=1",)), CONFIG,
                                environ={"NCCL_DEBUG": "WARN"}, workdir=tmp_path)),
-               render(plan_job(SlurmOptions(nodes=1, time="10", cpus_per_task=4, signal="HUP"), ["train.py", "-x"],
+               render(sbatch_job(SlurmOptions(nodes=1, time="10", cpus_per_task=4, signal="HUP"), ["train.py", "-x"],
                                environ={}, workdir=tmp_path))]
     names = set().union(*map(_assigned, scripts)) - {"MY_X", "NCCL_DEBUG", "OMP_NUM_THREADS"}
     assert {"RUN_DIR", "MAX_REQUEUES", "RDZV_PORT", "HPCTRAIN_SIGNALS", "restarts"} <= names

@@ -19,7 +19,7 @@ import pytest
 
 from hpctrain.cli import main
 from hpctrain.launch import slurm
-from hpctrain.launch.slurm import SlurmOptions, plan_job, render
+from hpctrain.launch.slurm import SlurmOptions, render, sbatch_job
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 WORKDIR = Path("/work/project")  # never created: rendering only resolves paths
@@ -42,7 +42,7 @@ CASES = {
 
 def _render(name: str) -> str:
     extra = ["data.path=/scratch/datasets/mnist-shards"] if name == "apptainer" else []
-    return render(plan_job(CASES[name], [*CONFIG, *extra], environ=ENVIRON, workdir=WORKDIR))
+    return render(sbatch_job(CASES[name], [*CONFIG, *extra], environ=ENVIRON, workdir=WORKDIR))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -123,7 +123,7 @@ def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signa
         (bin_dir / name).chmod(0o755)
     opts = SlurmOptions(nodes=2, time="01:00:00", python="python", max_requeues=max_requeues, signal=sig)
     script = tmp_path / "job.sh"
-    script.write_text(render(plan_job(opts, [f"run.dir={tmp_path / 'run'}"], environ={}, workdir=tmp_path)))
+    script.write_text(render(sbatch_job(opts, [f"run.dir={tmp_path / 'run'}"], environ={}, workdir=tmp_path)))
     log = tmp_path / "log"
     log.write_text("")
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "STATUS": str(tmp_path / "run" / "status.json"),

@@ -15,7 +15,7 @@ import pytest
 from hpctrain.cli import main
 from hpctrain.config import load_config
 from hpctrain.launch import slurm
-from hpctrain.launch.slurm import SlurmOptions, plan_job, render
+from hpctrain.launch.slurm import SlurmOptions, render, sbatch_job
 
 WORKDIR = Path("/work/project")  # never created: rendering only resolves paths
 CONFIG = ["data.name=synthetic_tiny", "model.name=mnist_cnn", "run.dir=runs/signal"]
@@ -26,15 +26,15 @@ RUNTIMES: dict[str, dict[str, Any]] = {
 }
 
 
-def _plan(config: list[str] = CONFIG, **options: Any) -> slurm.JobPlan:
+def _job(config: list[str] = CONFIG, **options: Any) -> slurm.SbatchJob:
     opts = SlurmOptions(nodes=2, time="04:00:00", gpus_per_node=4, python="python", **options)
-    return plan_job(opts, config, environ={}, workdir=WORKDIR)
+    return sbatch_job(opts, config, environ={}, workdir=WORKDIR)
 
 
 @pytest.mark.parametrize("runtime", sorted(RUNTIMES))
 @pytest.mark.parametrize("sig", slurm.SIGNALS)
 def test_header_trap_and_ranks_agree_and_the_shell_does_the_slurm_calls(sig: str, runtime: str) -> None:
-    plan = _plan(signal=sig, **RUNTIMES[runtime])
+    plan = _job(signal=sig, **RUNTIMES[runtime])
     text = render(plan)
     assert f"#SBATCH --signal=B:{sig}@{plan.signal_lead_s}\n" in text
     assert f"\ntrap forward {sig}\n" in text
@@ -51,14 +51,14 @@ def test_header_trap_and_ranks_agree_and_the_shell_does_the_slurm_calls(sig: str
 
 
 def test_signal_names_are_normalised_and_hang_timeout_passed_on_only_when_given() -> None:
-    assert _plan(signal="sighup").signal == "HUP"
-    assert "--hang-timeout" not in render(_plan())
-    assert "--shutdown-timeout=300 --hang-timeout=120 \\\n" in render(_plan(hang_timeout_s=120.0))
-    assert " --hang-timeout=0 " in render(_plan(hang_timeout_s=0.0))  # 0 turns the watchdog off
+    assert _job(signal="sighup").signal == "HUP"
+    assert "--hang-timeout" not in render(_job())
+    assert "--shutdown-timeout=300 --hang-timeout=120 \\\n" in render(_job(hang_timeout_s=120.0))
+    assert " --hang-timeout=0 " in render(_job(hang_timeout_s=0.0))  # 0 turns the watchdog off
 
 
 def test_a_users_own_signal_list_that_holds_the_signal_is_kept() -> None:
-    plan = _plan([*CONFIG, "checkpoint.signals=[SIGUSR2]"], signal="USR2")
+    plan = _job([*CONFIG, "checkpoint.signals=[SIGUSR2]"], signal="USR2")
     assert load_config(None, list(plan.config_args)).checkpoint.signals == ["SIGUSR2"]
 
 

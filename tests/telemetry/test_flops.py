@@ -94,7 +94,13 @@ def test_override_and_accelerator_names():
     assert flops.accelerator_key("NVIDIA H100 80GB HBM3") == "h100-sxm"
     assert flops.accelerator_key("NVIDIA H100 PCIe") == "h100-pcie"
     assert flops.accelerator_key("NVIDIA H200") == "h200"
-    assert flops.accelerator_key("NVIDIA A100-SXM4-40GB") == "a100"
+    assert flops.accelerator_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert flops.accelerator_key("NVIDIA A100-SXM4-80GB") == "a100"
+    assert flops.accelerator_key("NVIDIA H100 NVL") == "h100-nvl"
+    assert flops.accelerator_key("NVIDIA H800") == "h800"
+    assert flops.accelerator_key("NVIDIA B200") == "b200"
+    assert flops.accelerator_key("NVIDIA L40S") == "l40s"
+    assert flops.accelerator_key("Tesla V100-SXM2-32GB") == "v100"
     assert flops.accelerator_key("AMD Instinct MI300X") == "mi300x"
     assert flops.accelerator_key("NVIDIA GeForce RTX 4090") is None
 
