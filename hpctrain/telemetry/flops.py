@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from hpctrain.core.cache import cache_root
+from hpctrain.core.modules import is_sharded
 from hpctrain.telemetry import measure
 from hpctrain.telemetry.accelerators import peak_tflops
 
@@ -59,7 +60,7 @@ def forward_flops(model: nn.Module, *inputs: Any) -> int:
     try:
         return _count_on_meta(model, inputs)
     except Exception as err:  # noqa: BLE001 - any failure on meta: count for real on a copy
-        if measure.holds_shards(model):  # a copy's forward would run collectives on one rank's whim: never
+        if is_sharded(model):  # a copy's forward would run collectives on one rank's whim: never
             raise
         log.debug("FLOP count on meta failed (%s); counting on a copy", err)
         return _count_on_copy(model, inputs)

@@ -14,7 +14,6 @@ theirs (no strategy, no planner, no model registry).
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.flop_counter import FlopCounterMode
+
+from hpctrain.core.modules import local_part
 
 StorageKey = tuple[str, int]
 
@@ -89,26 +90,6 @@ def counted_per_sample(model: nn.Module, sample_shape: tuple[int, ...], batch: i
 
 
 # ---------------------------------------------------------------- what a rank holds of a tensor
-
-
-def is_dtensor(tensor: object) -> bool:
-    """A DTensor (a shard)? Without importing ``torch.distributed.tensor`` (0.7 s): until that module
-    is loaded no DTensor can exist."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard, any other tensor itself."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined,no-any-return]
-
-
-def holds_shards(model: nn.Module) -> bool:
-    """Does this rank hold shards of the model (DTensor parameters, or torch's ``fully_shard``
-    modules, whose parameters are whole between a forward and its backward)?"""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not loaded: no such module can exist
-    return (fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())) or any(
-        is_dtensor(p) for p in model.parameters())
 
 
 def _owner(tensor: torch.Tensor) -> torch.Tensor | None:
