@@ -1,5 +1,5 @@
-"""A complete training loop of your own, from hpctrain's public parts only (``import hpctrain``; 12
-names, plus ClusterEnv for a type hint and params_sha256 to compare runs): the cluster environment,
+"""A complete training loop of your own, from hpctrain's public parts only (``import hpctrain``; 9
+names, params_sha256 among them to compare runs): the cluster environment and process group,
 a parallel strategy (DDP, ZeRO-1 or sharded: FSDP), a resumable distributed loader over your own
 Dataset, exact evaluation, a checkpointer with automatic resume and "preempted: save, then exit 3",
 and the step-time meter with its phases named.
@@ -50,38 +50,38 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | No
 
 
 def main(run_dir: Path, strategy_name: str, pause: float = 0.0) -> int:
-    env = hpctrain.detect()  # torchrun's, Slurm's, or an already running process group
-    device = hpctrain.init_distributed(env)
-    try:
-        return train(run_dir, strategy_name, env, device, pause)
-    finally:
-        hpctrain.teardown()
+    # torchrun's, Slurm's or an already running process group; ended on the way out
+    with hpctrain.distributed() as (env, device):
+        train_set, val_set = datasets()
+        strategy = hpctrain.strategy_for(strategy_name, env, device, seed=0)
+        strategy.setup(net, loss_fn=loss_fn, make_optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+                       make_scheduler=lambda optimizer: None)
+        loader = hpctrain.MemoryLoader(train_set, env, BATCH, seed=0)  # every sample once per epoch, split by rank
+        counters = hpctrain.Counters()
+        torch.manual_seed(1 + env.rank)  # dropout differs per rank; a resume restores these streams
+        ckpt = hpctrain.Checkpointer(run_dir, env, device,
+                                     hpctrain.CheckpointConfig(every_steps=10, every_seconds=None),
+                                     {"model": strategy.checkpoint_state(), "scaler": strategy.precision,
+                                      "counters": counters, "loader": loader})
+        ckpt.resume("auto")
+        meter = hpctrain.Meter(BATCH * env.world_size, counters.step, device)
+        if not fit(strategy, loader, counters, ckpt, meter, device, pause):
+            return ckpt.exit_code  # 3: preempted; the launcher (or Slurm's requeue) runs the same command again
+        report(strategy, val_set, meter, counters, env.is_main)
+        return 0
 
 
-def train(run_dir: Path, strategy_name: str, env: hpctrain.ClusterEnv, device: torch.device, pause: float) -> int:
-    train_set, val_set = datasets()
-    strategy = hpctrain.strategy_for(hpctrain.ParallelConfig(strategy=strategy_name), env, device, seed=0)
-    strategy.setup(net, loss_fn=loss_fn, make_optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
-                   make_scheduler=lambda optimizer: None)
-    loader = hpctrain.MemoryLoader(train_set, env, BATCH, seed=0)  # every sample once per epoch, split by rank
-    counters = hpctrain.Counters()
-    torch.manual_seed(1 + env.rank)  # dropout differs per rank; a resume restores these streams
-    ckpt = hpctrain.Checkpointer(run_dir, env, device, hpctrain.CheckpointConfig(every_steps=10, every_seconds=None),
-                                 {"model": strategy.checkpoint_state(), "scaler": strategy.precision,
-                                  "counters": counters, "loader": loader})
-    ckpt.resume("auto")
-    meter = hpctrain.Meter(BATCH * env.world_size, counters.step, device)
-    if not fit(strategy, loader, counters, ckpt, meter, device, pause):
-        return hpctrain.EXIT_PREEMPTED  # the launcher (or Slurm's requeue) runs the same command again
+def report(strategy: Any, val_set: TensorDataset, meter: hpctrain.Meter, counters: hpctrain.Counters,
+           is_main: bool) -> None:
+    """The exact validation accuracy (every sample once across ranks), the weights' sha256, the time per phase."""
     result = hpctrain.evaluate_dataset(strategy.model, val_set, 64)  # exact loss and accuracy, on every rank
     # the whole weights (FSDP holds shards: every rank takes part in gathering them), to compare runs
     whole = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True))
     sha256 = hpctrain.params_sha256(strategy.inner, whole)
-    if env.is_main:
+    if is_main:
         times = {k: v for k, v in meter.summary(counters.step).items() if k.startswith(("time_", "samples_per_s"))}
         print(json.dumps({"accuracy": result.metrics["accuracy"], "count": result.metrics["count"],
                           "steps": counters.step, "params_sha256": sha256, **times}), flush=True)
-    return 0
 
 
 def fit(strategy: Any, loader: hpctrain.MemoryLoader[Any], counters: hpctrain.Counters, ckpt: hpctrain.Checkpointer,

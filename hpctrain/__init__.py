@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # the same names as _EXPORTS, for type checkers (tests/test_i
     from hpctrain.config import Config, ConfigError, load_config
     from hpctrain.config.checkpoint import CheckpointConfig
     from hpctrain.config.parallel import ParallelConfig
-    from hpctrain.core.env import ClusterEnv, detect, init_distributed, teardown
+    from hpctrain.core.env import ClusterEnv, detect, distributed, init_distributed, teardown
     from hpctrain.core.errors import EXIT_PREEMPTED
     from hpctrain.data.in_memory import EvalLoader, MemoryLoader
     from hpctrain.data.sampler import EvalSampler, ResumableSampler
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the same names as _EXPORTS, for type checkers (tests/test_i
 # neither torch nor the parts below. A loop of your own needs nothing else (examples/own_loop.py).
 _EXPORTS = {
     # the job: environment, process group, config sections
-    **dict.fromkeys(("ClusterEnv", "detect", "init_distributed", "teardown"), "hpctrain.core.env"),
+    **dict.fromkeys(("ClusterEnv", "detect", "distributed", "init_distributed", "teardown"), "hpctrain.core.env"),
     **dict.fromkeys(("Config", "ConfigError", "load_config"), "hpctrain.config"),
     "ParallelConfig": "hpctrain.config.parallel",
     "CheckpointConfig": "hpctrain.config.checkpoint",
@@ -57,7 +57,7 @@ _EXPORTS = {
 __all__ = [
     "EXIT_PREEMPTED", "Accuracy", "CheckpointConfig", "Checkpointer", "ClusterEnv", "Config", "ConfigError",
     "ConfusionMatrix", "Counters", "EvalLoader", "EvalOutput", "EvalSampler", "LoopCheckpoint", "MeanLoss",
-    "MemoryLoader", "Meter", "Metric", "ParallelConfig", "Precision", "ResumableSampler", "detect", "evaluate",
+    "MemoryLoader", "Meter", "Metric", "ParallelConfig", "Precision", "ResumableSampler", "detect", "distributed", "evaluate",
     "evaluate_dataset", "init_distributed", "load_config", "params_sha256", "parallelize", "strategy_for",
     "sum_over_ranks", "teardown", "unwrap",
 ]

@@ -73,7 +73,7 @@ def test_own_loop_imports_hpctrain_only() -> None:
     imports = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert [ast.unparse(n) for n in imports if "hpctrain" in ast.unparse(n)] == ["import hpctrain"]
     used = set(re.findall(r"\bhpctrain\.(\w+)", source))
-    assert used <= set(hpctrain.__all__) and len(used) <= 14, sorted(used)
+    assert used <= set(hpctrain.__all__) and len(used) <= 10, sorted(used)
 
 
 def _exact(result: dict) -> dict:

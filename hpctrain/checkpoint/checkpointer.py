@@ -326,6 +326,12 @@ class Checkpointer:
         if self.config.at_end:
             self.save(best, blocking=True)
 
+    @property
+    def exit_code(self) -> int:
+        """What the process should exit with: ``EXIT_PREEMPTED`` (3: saved on a preemption
+        signal; the launcher or Slurm's requeue runs the same command again) or 0."""
+        return EXIT_PREEMPTED if self.preempted else 0
+
     def close(self) -> Path | None:
         """Wait for the save in flight (its error is raised here) and stop the writer thread."""
         if self._closed:

@@ -9,11 +9,12 @@ needs none.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
@@ -346,6 +347,19 @@ def collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def distributed(backend: str = "auto", timeout_s: float = 600.0) -> Iterator[tuple[ClusterEnv, torch.device]]:
+    """``with hpctrain.distributed() as (env, device):`` -- :func:`detect`, :func:`init_distributed`
+    and, on the way out (an error included), :func:`teardown` in one: the three lines every loop of
+    one's own starts and ends with."""
+    env = detect()
+    device = init_distributed(env, backend, timeout_s)
+    try:
+        yield env, device
+    finally:
+        teardown()
 
 
 def teardown() -> None:

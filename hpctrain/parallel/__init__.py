@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.config.parallel import check_topology
+from hpctrain.config.parallel import ParallelConfig, check_topology
 from hpctrain.core.errors import UserError
 from hpctrain.core.modules import is_sharded, unwrap
 from hpctrain.parallel.registry import make_strategy, strategy_class, strategy_name
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hpctrain.config.parallel import ParallelConfig
     from hpctrain.core.env import ClusterEnv
     from hpctrain.core.topology import Topology
     from hpctrain.parallel.base import Strategy
@@ -37,9 +36,12 @@ if TYPE_CHECKING:
 __all__ = ["build_parallel", "build_pipeline_step", "is_sharded", "mesh_for", "parallelize", "strategy_for", "unwrap"]
 
 
-def strategy_for(cfg: ParallelConfig, env: ClusterEnv, device: torch.device, *, compile: bool = False,
+def strategy_for(cfg: ParallelConfig | str, env: ClusterEnv, device: torch.device, *, compile: bool = False,
                  precision: str = "fp32", seed: int = 0, mesh: DeviceMesh | None = None) -> Strategy:
-    """The registered strategy for ``parallel.*`` on this world (built once; it owns the mesh)."""
+    """The registered strategy for ``parallel.*`` on this world (built once; it owns the mesh).
+    ``cfg`` may be a strategy's name alone (``"fsdp"``): ``ParallelConfig(strategy=name)``."""
+    if isinstance(cfg, str):
+        cfg = ParallelConfig(strategy=cfg)
     topology = check_topology(cfg, env.world_size, num_nodes=env.num_nodes)
     return make_strategy(strategy_name(cfg), topology, env, device, cfg, precision=precision, compile=compile,
                          seed=seed, mesh=mesh)
