@@ -57,9 +57,9 @@ _EXPORTS = {
 __all__ = [
     "EXIT_PREEMPTED", "Accuracy", "CheckpointConfig", "Checkpointer", "ClusterEnv", "Config", "ConfigError",
     "ConfusionMatrix", "Counters", "EvalLoader", "EvalOutput", "EvalSampler", "LoopCheckpoint", "MeanLoss",
-    "MemoryLoader", "Meter", "Metric", "ParallelConfig", "Precision", "ResumableSampler", "detect", "distributed", "evaluate",
-    "evaluate_dataset", "init_distributed", "load_config", "params_sha256", "parallelize", "strategy_for",
-    "sum_over_ranks", "teardown", "unwrap",
+    "MemoryLoader", "Meter", "Metric", "ParallelConfig", "Precision", "ResumableSampler", "detect", "distributed",
+    "evaluate", "evaluate_dataset", "init_distributed", "load_config", "params_sha256", "parallelize",
+    "strategy_for", "sum_over_ranks", "teardown", "unwrap",
 ]
 
 

@@ -25,6 +25,7 @@ from hpctrain.checkpoint import Checkpointer
 from hpctrain.checkpoint.preempt import Preempted, SignalFlag, signal_names
 from hpctrain.checkpoint.state import Counters
 from hpctrain.config import Config, ConfigError, to_yaml
+from hpctrain.config.mix import data_text
 from hpctrain.core import env as cluster
 from hpctrain.core import protocol
 from hpctrain.core.atomic import atomic_write_text, write_json
@@ -45,9 +46,12 @@ from hpctrain.core.rundir import (
 from hpctrain.core.section import to_dict
 from hpctrain.data import Batch, DataBundle, EvalBatches, TrainLoader, build_data, eval_batch_size
 from hpctrain.data.batch import main_input
+from hpctrain.data.mixture import mix_row, mix_summary
 from hpctrain.data.user import bound_stream
+from hpctrain.estimate.strategy_memory import run_breakdown
 from hpctrain.evaluation.evaluate import EvalResult
 from hpctrain.launch.rank import first_cause
+from hpctrain.models.moe import expert_load, expert_summary
 from hpctrain.models.registry import resolve_num_classes
 from hpctrain.optim import build_optimizer, build_scheduler, epoch_over, peak_lr
 from hpctrain.parallel import checkpoint_formats  # noqa: F401  # every format's view, for resume's format check
@@ -381,9 +385,12 @@ def _count_first_batch(loop: Loop, batch: Batch, inputs: Any, targets: torch.Ten
     # FLOPs are counted with hooks off (no model(**inputs)): from a dict, the main input (input_ids)
     model_view = Batch(main_input(inputs), batch.targets, batch.keys, batch.mask)
     loop.tel.meter.first_batch(loop.parts.strategy.flops_module(), model_view,
-                               tokens=int(tokens) if tokens is not None else None)
-    # padded batches (an attention_mask) hold different token counts: counted step by step
-    loop.tel.meter.tokens_each_step = count is not None and isinstance(inputs, dict) and "attention_mask" in inputs
+                               tokens=int(tokens) if tokens is not None else None,
+                               positions=int(model_view.inputs.numel()))
+    # padded batches (an attention_mask) and packed documents (doc_ids) hold different token counts: counted
+    # step by step (MFU then counts the real tokens' FLOPs, hpctrain.telemetry.meter)
+    loop.tel.meter.tokens_each_step = count is not None and isinstance(inputs, dict) and (
+        "attention_mask" in inputs or "doc_ids" in inputs)
 
 
 def _after_step(loop: Loop) -> bool:
@@ -432,6 +439,8 @@ def _log_row(loop: Loop, losses: list[torch.Tensor]) -> None:
         "lr": loop.parts.optimizer.param_groups[0]["lr"],
         **meter.interval(counters.step),  # samples/s (tokens/s), data-wait share, step-time breakdown, MFU, memory
         "skipped_samples": getattr(loop.parts.train_loader, "skipped", 0),  # this rank's; the summary has the total
+        **expert_load(loop.parts.strategy.inner, loop.env.world_size),  # model.experts: aux loss, tokens per expert
+        **mix_row(loop.parts.train_loader),  # data.mix: samples per source so far (all ranks)
     })
 
 
@@ -483,7 +492,7 @@ def _improved(cfg: Config, name: str, row: dict[str, Any], best: dict[str, Any])
     if best.get("metric") != name or not _finite(best.get("value")):  # none yet (or another metric's, or
         return True  # a nan one an older version recorded) before a resume
     lower_is_better = cfg.train.best_mode == "min" or (
-        cfg.train.best_mode == "auto" and name.endswith(("loss", "perplexity")))
+        cfg.train.best_mode == "auto" and name.split("/")[0].endswith(("loss", "perplexity")))  # val_loss/SOURCE too
     return row[name] < best["value"] if lower_is_better else row[name] > best["value"]
 
 
@@ -574,7 +583,7 @@ def _set_up_and_run(cfg: Config, layout: RunLayout, env: cluster.ClusterEnv, dev
         atomic_write_text(run_dir / "config.yaml", to_yaml(given))
         write_status(run_dir, "running", step=parts.counters.step)
         log.info("training %s on %s: %d train / %d val samples, world size %d, device %s; global batch %d = "
-                 "%d per rank x %d micro-steps x %d %s", cfg.model.name, cfg.data.name, data.train_size,
+                 "%d per rank x %d micro-steps x %d %s", cfg.model.name, data_text(cfg.data), data.train_size,
                  data.val_size, env.world_size, device, layout.global_batch, layout.micro_batch, layout.grad_accum,
                  layout.dp, "ranks" if layout.dp == env.world_size else "data-parallel replicas")
     # up to summary.json, an error leaves status.json "failed" with the error (model.pt too)
@@ -698,6 +707,9 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
     tokens_per_sample = window["tokens_per_s"] / window["samples_per_s"] if window.get("tokens_per_s") else None
     return {
         **result.telemetry,  # the meter's run means: step-time breakdown, MFU, peak memory; stragglers; top ops
+        # each rank's measured memory_breakdown with the strategy's declared bytes beside it ("predicted")
+        **run_breakdown(result.telemetry.get("memory_breakdown"), cfg, parts.strategy.inner, parts.strategy.topology,
+                        micro_batch=parts.strategy.micro_batch),
         "task": parts.task.name,
         "val_loss": metrics.get("loss"), "val_accuracy": metrics.get("accuracy"),
         "val_count": metrics.get("count"), "val_correct": metrics.get("correct"),
@@ -712,6 +724,8 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
         "params_sha256": digest.params,  # of model.pt's parameters (save_model_streamed)
         "buffers_sha256": digest.buffers,  # of model.pt's buffers (BatchNorm statistics), all ranks' alike
         "skipped_samples": skipped_samples(parts, env),
+        **expert_summary(parts.strategy.inner),  # model.experts: the run's tokens per expert
+        **mix_summary(parts.train_loader, result.last_eval),  # data.mix: samples and val metrics per source
         **result.numerics,  # non-finite steps: counted, skipped, the first (train.nonfinite)
-        "precision": cfg.precision, "model": cfg.model.name, "data": cfg.data.name, "outcome": "finished",
+        "precision": cfg.precision, "model": cfg.model.name, "data": data_text(cfg.data), "outcome": "finished",
     }

@@ -30,6 +30,15 @@ SECRET_KEY = "hpctrain-test-secret-do-not-print"
 _RUNNING = re.compile(rb"Running on http://127\.0\.0\.1:(\d+)")
 
 
+def _die_with_parent() -> None:
+    """In the server's child, before exec: SIGKILL it when the test process dies (a crashed or
+    killed pytest worker would otherwise leave the server running; Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+
+
 class S3Server:
     """One moto server process; ``url`` is its endpoint once ``start()`` returned."""
 
@@ -47,7 +56,8 @@ class S3Server:
     def start(self, timeout: float = 30.0) -> S3Server:
         # port 0: the kernel picks a free one, the server prints it (no race with other workers)
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         seen = b""

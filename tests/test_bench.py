@@ -23,7 +23,6 @@ Where the time goes, and what keeps it short (nothing here is a product option):
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import random
@@ -178,29 +177,22 @@ def test_strategies_break_memory_down_per_rank_as_each_strategy_divides_it(tmp_p
         assert not (tmp_path / "strategies.json").exists() and not (tmp_path / "strategies-work").exists()
         return
     doc, printed = _bench("strategies", tmp_path, capsys, "--procs", "2")  # on any number of cores or GPUs
+    # --quick: the bench's own path on two strategies; the bytes of every strategy (deepspeed, pp, tp,
+    # hsdp, offload ...) against their declaration: tests/estimate/test_strategy_memory_declared.py
     rows = {r["strategy"]: r for r in doc["rows"]}
-    assert list(rows) == ["ddp", "fsdp-zero3", "deepspeed-2", "pp2"] and "pp2" in printed
-    has_ds = importlib.util.find_spec("deepspeed") is not None
-    assert {name for name, r in rows.items() if r["status"] == "ok"} == {"ddp", "fsdp-zero3", "pp2"} | (
-        {"deepspeed-2"} if has_ds else set()), {name: r["status"] for name, r in rows.items()}
-    assert has_ds or rows["deepspeed-2"]["status"].startswith("skipped: parallel.strategy=deepspeed needs DeepSpeed")
-    ok = [r for r in rows.values() if r["status"] == "ok"]
+    assert list(rows) == ["ddp", "fsdp-zero3"] and "fsdp-zero3" in printed
+    assert all(r["status"] == "ok" for r in rows.values()), {name: r["status"] for name, r in rows.items()}
+    ok = list(rows.values())
     assert all(len(r["mem_per_rank_gb"]) == len(r["breakdown"]) == doc["settings"]["ranks"] == 2 for r in ok)
     assert all(_finite_positive(r["tokens_per_s"], *r["mem_per_rank_gb"]) for r in ok)
     assert rows["ddp"]["tokens_vs_ddp"] == 1.0
-    ddp, fsdp, pp = (rows[name]["breakdown"] for name in ("ddp", "fsdp-zero3", "pp2"))
+    ddp, fsdp = (rows[name]["breakdown"] for name in ("ddp", "fsdp-zero3"))
     params = ddp[0]["params_bytes"]
     assert ddp[0] == {**ddp[1], "rank": 0} and ddp[0]["grads_bytes"] == params
     assert 0 < ddp[0]["optimizer_bytes"] - 2 * params < 4 * 100  # m, v, and a 4-byte step counter per tensor
     for rank in fsdp:  # ZeRO-3: every dim is even here, so no padding: exactly half, the same activations
         assert 2 * rank["params_bytes"] == 2 * rank["grads_bytes"] == params
         assert rank["activations_bytes"] == ddp[0]["activations_bytes"] > 0
-    assert sum(r["params_bytes"] for r in pp) == params  # two stages split the (untied) model
-    assert all(0 < r["params_bytes"] < params and r["activations_bytes"] > 0 for r in pp)
-    if has_ds:  # ZeRO-2: whole parameters, half the gradients, an fp32 master half and its m and v
-        for rank in rows["deepspeed-2"]["breakdown"]:
-            assert rank["params_bytes"] == params and rank["grads_bytes"] == pytest.approx(params / 2, rel=0.01)
-            assert rank["optimizer_bytes"] == pytest.approx(1.5 * params, rel=0.01)
 
 
 def test_strategies_lists_what_hpctrain_refuses_instead_of_crashing(monkeypatch):

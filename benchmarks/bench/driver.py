@@ -17,7 +17,7 @@ from hpctrain.core.errors import UserError
 
 def run_case(name: str, out: Path, *, quick: bool, procs: int | None, repeats: int | None, command: str) -> int:
     check_matplotlib()
-    case = importlib.import_module(f"bench.{name}")
+    case = importlib.import_module(f"bench.{name.replace('-', '_')}")  # long-context: bench/long_context.py
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from hpctrain.checkpoint import checksum, confine, layout, tensorfile
+from hpctrain.checkpoint import checksum, confine, layout, remote, tensorfile
 from hpctrain.checkpoint.policy import Schedule
 from hpctrain.checkpoint.preempt import EXIT_PREEMPTED, Agreement, Preempted, SignalFlag
+from hpctrain.checkpoint.remote import RemoteTier
 from hpctrain.checkpoint.state import REPLICATED, REPLICATED_TENSORS, RNG, rank_file, restore, snapshot
 from hpctrain.checkpoint.view import CheckpointView, manifest_format, view_class
 from hpctrain.checkpoint.writer import CheckpointWriter, default_group
@@ -41,7 +42,7 @@ from hpctrain.core import protocol as heartbeat
 from hpctrain.core import safe_pickle
 from hpctrain.core.atomic import atomic_write_text, write_json
 from hpctrain.core.env import ClusterEnv
-from hpctrain.core.errors import agree
+from hpctrain.core.errors import HpctrainError, agree
 from hpctrain.core.protocol import program_signals, record_preempted
 from hpctrain.precision import local_max_abs
 
@@ -93,16 +94,44 @@ class Checkpointer:
         self.best: dict[str, Any] = {}
         self._best_pending: dict[str, Any] | None = None  # best.json waits for its checkpoint's commit
         self.preempted = False
+        self.remote: RemoteTier | None = None  # rank 0's handle on checkpoint.remote
         # Nobody writes a new partial before the old ones are gone; one rank's failure fails all.
         agree("preparing the checkpoint directory", self._prepare)
+        if self.remote is not None:
+            self.writer.on_commit = self.remote.uploader.submit
+            self.writer.protect = self.remote.uploader.pending
 
     def _prepare(self) -> None:
         """Rank 0 makes checkpoints/ and removes what killed saves and writes left in the run
         directory; the first rank of each node clears its node-local tier's leftovers."""
         if self.env.is_main:
             self._prepare_root()
+            self.remote = self._open_remote()
         if self.env.local_rank == 0:
             self.writer.remove_local_leftovers()
+
+    def _open_remote(self) -> RemoteTier | None:
+        """checkpoint.remote, opened (and its credentials and bucket checked) by rank 0."""
+        c = self.config
+        if c.remote is None:
+            return None
+        try:
+            return RemoteTier(c.remote, c.storage_options, self.root, keep_last=c.remote_keep_last or c.keep_last,
+                              keep_every=c.keep_every, queue=c.remote_queue,
+                              protect=self._best_step, local_retention=self._local_retention)
+        except HpctrainError as err:  # the store's own one line (credentials: exit 2), named as the key's
+            raise type(err)(f"checkpoint.remote: {err}") from None
+
+    def _local_retention(self) -> None:
+        """After an upload: the local tier's retention, which kept the checkpoint while it waited."""
+        c = self.config
+        if self.remote is not None:
+            layout.apply_retention(self.root, c.keep_last, c.keep_every, self.remote.uploader.pending())
+
+    def _best_step(self) -> set[int]:
+        """The step best.json names: the remote retention keeps it, as the local one does."""
+        best = layout.best_step(self.root)
+        return set() if best is None else {best}
 
     def _prepare_root(self) -> None:
         try:
@@ -122,10 +151,17 @@ class Checkpointer:
         (never a hang). Returns True if state was restored. The phase is watched: ``hpctrain
         run``'s watchdog judges it (a long phase), and a preemption signal ends it at once
         (:class:`~hpctrain.checkpoint.preempt.Preempted`, exit 3: nothing new to save)."""
-        if spec == "never":
-            return False
-        with heartbeat.during(heartbeat.RESUMING), self.signals.interrupting("the resume", self._preempted_in_resume):
-            return self._resume(spec)
+        resumed = False
+        if spec != "never":
+            with heartbeat.during(heartbeat.RESUMING), \
+                    self.signals.interrupting("the resume", self._preempted_in_resume):
+                resumed = self._resume(spec)
+        # every rank alike: a tier holding a newer run's checkpoints is refused before training
+        agree("checking checkpoint.remote", lambda: self.remote.check_past(self.counters.step, spec)
+              if self.remote is not None else None)
+        if self.remote is not None and spec == "auto":
+            self.remote.catch_up()  # what the previous job left un-uploaded goes up now
+        return resumed
 
     def _preempted_in_resume(self, err: Preempted) -> None:
         if self.env.is_main:
@@ -134,7 +170,7 @@ class Checkpointer:
 
     def _resume(self, spec: str) -> bool:
         candidates = self._decided("choosing the checkpoint to resume",
-                                   lambda: [str(p) for p in layout.candidates(spec, self.root)])
+                                   lambda: [str(p) for p in self._candidates(spec)])
         skipped: list[str] = []
         for path in map(Path, candidates):
             loaded, problems = self._read_everywhere(path)
@@ -155,6 +191,20 @@ class Checkpointer:
             return False
         self._restore(path, loaded)
         return True
+
+    def _candidates(self, spec: str) -> list[Path]:
+        """Rank 0: resume=auto with a remote tier first downloads the remote checkpoint that is
+        newer than the run directory's (if any); then the run directory's, newest first."""
+        if spec == "auto" and self.remote is not None:
+            self.remote.fetch_newer()
+        if remote.is_remote(spec):  # resume=s3://B/PREFIX[/step-N]: downloaded into this run's checkpoints/
+            store, entries = remote.resolve_url(spec, self.config.storage_options, "resume")
+            path = remote.fetch_newest(store, entries, self.root)
+            if path is None:
+                raise layout.NoCheckpointError(f"resume={spec} holds no intact committed checkpoint; hint: "
+                                               f"`hpctrain ckpt list {spec}`")
+            return [path]
+        return layout.candidates(spec, self.root)
 
     def _read_everywhere(self, path: Path) -> tuple[Any, list[str]]:
         """Every rank reads (and checks) its files of ``path``. Returns this rank's state and
@@ -343,7 +393,12 @@ class Checkpointer:
             self._settle()
             return self.writer.last_committed
         finally:
-            self.writer.close()
+            try:
+                self.writer.close()
+            finally:
+                if self.remote is not None:  # rank 0: the last upload, bounded (the watchdog: a long phase)
+                    with heartbeat.during(heartbeat.SAVING):
+                        self.remote.close(self.config.remote_wait_s)
 
     def abandon(self) -> None:
         """On an error in the loop: finish the save in flight, but let the loop's error win."""

@@ -25,6 +25,7 @@ import os
 import platform
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -460,9 +461,19 @@ def to_delete(steps: list[int], keep_last: int, keep_every: int | None, protect:
     return [s for s in steps if s not in keep]
 
 
-def apply_retention(root: Path, keep_last: int, keep_every: int | None) -> None:
+def apply_retention(root: Path, keep_last: int, keep_every: int | None, keep: set[int] | None = None) -> None:
+    """``keep``: steps kept whatever their age (the remote tier's uploads still waiting). The
+    writer and the remote tier's uploader both apply it, in their own threads: one at a time."""
+    with _RETENTION:
+        _apply_retention(root, keep_last, keep_every, keep)
+
+
+_RETENTION = threading.Lock()
+
+
+def _apply_retention(root: Path, keep_last: int, keep_every: int | None, keep: set[int] | None) -> None:
     entries = committed(root)
-    protect = {best_step(root), newest_finite(entries)} - {None}
+    protect = ({best_step(root), newest_finite(entries)} - {None}) | (keep or set())
     doomed = to_delete([s for s, _ in entries], keep_last, keep_every, protect)  # type: ignore[arg-type]
     for step, path in entries:
         if step not in doomed:

@@ -26,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -153,6 +154,10 @@ class CheckpointWriter:
         self._staged.set()
         self.last = SaveTiming()
         self.last_committed: Path | None = None
+        # rank 0: each committed checkpoint is handed on (the remote tier's upload queue), and the
+        # local retention keeps the steps ``protect`` names (those still waiting for their upload)
+        self.on_commit: Callable[[Path], None] | None = None
+        self.protect: Callable[[], set[int]] = set
 
     # -- public
 
@@ -244,6 +249,8 @@ class CheckpointWriter:
             _keep_local_copy(self.local, written.where, snap.step)
         self.last_committed = final
         self.last.total_s = time.perf_counter() - start
+        if self.on_commit is not None and self.env.is_main:
+            self.on_commit(final)
         return final
 
     def _discard_failed(self, partial: Path, written: _Written) -> None:
@@ -277,7 +284,7 @@ class CheckpointWriter:
             layout.commit(partial, final, files, {**snap.info, "save_s": round(save_s, 3)})
         except Exception as err:
             return f"commit: {type(err).__name__}: {err}"
-        layout.apply_retention(self.root, self.keep_last, self.keep_every)
+        layout.apply_retention(self.root, self.keep_last, self.keep_every, self.protect())
         return None
 
     def _copy_to_shared(self, written: _Written, partial: Path) -> _Written:

@@ -33,6 +33,8 @@ CASES = {
                    "per-rank memory (params/grads/optimizer/activations)"),
     "mfu": ("a Llama through hpctrain and through torchtitan, then fp8 against bf16: tokens/s, MFU, peak memory, "
             "fp8 loss parity"),
+    "long-context": ("a Llama at a sequence one rank's memory budget cannot hold, at parallel.cp 1, 2, 4: memory per "
+                     "rank (measured and estimated) and tokens/s"),
 }
 
 

@@ -1,13 +1,19 @@
-"""``hpctrain ckpt list RUN_DIR | verify PATH | export PATH OUT``."""
+"""``hpctrain ckpt list RUN_DIR | verify PATH | export PATH OUT``; each also takes the URL of a
+remote tier (``s3://BUCKET/PREFIX``, checkpoint.remote) or of one checkpoint in it
+(``s3://BUCKET/PREFIX/step-N``): listed from the store, verified and exported from a download
+into a temporary directory (``$TMPDIR``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.checkpoint import confine, layout
+from hpctrain.checkpoint import confine, layout, remote
 from hpctrain.checkpoint.view import manifest_format, view_class
 from hpctrain.core.safe_pickle import UnsafePickleError, check_torch_archive
 from hpctrain.parallel import checkpoint_formats  # noqa: F401  # the formats' registry lines (torch-free)
@@ -45,6 +51,8 @@ def _targets(path: Path) -> list[Path]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    if remote.is_remote(args.run_dir):
+        return _list_remote(args.run_dir, args.verify)
     if not Path(args.run_dir).is_dir():
         print(f"hpctrain ckpt list: error: run directory {args.run_dir} does not exist (or is not a directory)",
               file=sys.stderr)
@@ -55,42 +63,93 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"no committed checkpoints in {root}")
         return 0
     best = layout.best_step(root)
+    return _print_rows([(path.name, step, lambda p=path: layout.read_manifest(p),
+                         (lambda p=path: _verify_one(p)) if args.verify else None, step == best)
+                        for step, path in entries])
+
+
+Row = tuple[str, int, Any, Any, bool]  # name, step, read its manifest, verify it (None: not asked), best
+
+
+def _print_rows(rows: list[Row]) -> int:
     print(f"{'checkpoint':<16} {'step':>9} {'epoch':>6} {'world':>5} {'size MB':>9}  {'created':<20} status")
     code, notes = 0, []
-    for step, path in entries:
+    for name, step, read, verify, best in rows:
         try:
-            m = layout.read_manifest(path)
+            m = read()
         except layout.CheckpointError as err:  # a bad manifest is shown as such; the others are still listed
             status, exit_code = ("UNREADABLE", err.exit_code) if isinstance(err, layout.UnreadableCheckpointError) \
                 else ("CORRUPT", 1)
             code, m = max(code, exit_code), {}
-            notes.append(f"{path.name}: {err}")
+            notes.append(f"{name}: {err}")
         else:
-            status, _, exit_code = _verify_one(path) if args.verify else ("committed", [], 0)
+            status, problems, exit_code = verify() if verify is not None else ("committed", [], 0)
             code = max(code, exit_code)
+            notes += [f"{name}: {problem}" for problem in problems]
         size = f"{sum(f['size'] for f in m['files'].values()) / 1e6:>9.1f}" if m else f"{'?':>9}"
-        mark = "  best" if step == best else ""
-        print(f"{path.name:<16} {step:>9} {m.get('epoch', '?'):>6} {m.get('world_size', '?'):>5} {size}  "
+        mark = "  best" if best else ""
+        print(f"{name:<16} {step:>9} {m.get('epoch', '?'):>6} {m.get('world_size', '?'):>5} {size}  "
               f"{m.get('created', '?'):<20} {status}{mark}")
     for note in notes:
         print(f"  {note}")
     return code
 
 
+def _remote_tier(url: str) -> tuple[Any, list[tuple[int, str]]]:
+    """(store, committed checkpoints as (step, name)) of a tier URL, or of one checkpoint's URL
+    (endpoint and credentials from the environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
+    return remote.resolve_url(url, key="hpctrain ckpt")
+
+
+@contextmanager
+def _downloaded(store: Any, name: str) -> Iterator[Path]:
+    """Remote checkpoint ``name`` downloaded (and checked against its manifest) into a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="hpctrain-ckpt-") as tmp:
+        yield remote.download(store, name, Path(tmp))
+
+
+def _verify_remote(store: Any, name: str) -> tuple[str, list[str], int]:
+    try:
+        with _downloaded(store, name) as path:
+            return _verify_one(path)
+    except layout.UnreadableCheckpointError as err:
+        return "UNREADABLE", [str(err)], err.exit_code
+    except layout.CheckpointError as err:  # a file missing, or not matching its manifest
+        return "CORRUPT", [str(err)], 1
+
+
+def _list_remote(url: str, verify: bool) -> int:
+    store, entries = _remote_tier(url)
+    if not entries:
+        print(f"no committed checkpoints in {url}")
+        return 0
+    return _print_rows([(name, step, lambda n=name: remote.read_manifest(store, n),
+                         (lambda n=name: _verify_remote(store, n)) if verify else None, False)
+                        for step, name in entries])
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if remote.is_remote(args.path):
+        store, entries = _remote_tier(args.path)
+        if not entries:
+            print(f"hpctrain ckpt verify: error: {args.path} holds no committed checkpoint; hint: `hpctrain ckpt list "
+                  f"{args.path}`", file=sys.stderr)
+            return 2
+        return max(_report(f"{store.url}/{name}", _verify_remote(store, name)) for _, name in entries)
     targets = _targets(Path(args.path))
     if not targets:
         print(f"hpctrain ckpt verify: error: {args.path} holds no committed checkpoint; hint: give a checkpoint "
               "or run directory (`hpctrain ckpt list RUN_DIR`)", file=sys.stderr)
         return 2  # wrong input; 1 means a checkpoint is corrupt
-    code = 0
-    for path in targets:
-        status, problems, exit_code = _verify_one(path)
-        code = max(code, exit_code)
-        print(f"{path}: {status}")
-        for problem in problems:
-            print(f"  {problem}")
-    return code
+    return max(_report(str(path), _verify_one(path)) for path in targets)
+
+
+def _report(where: str, outcome: tuple[str, list[str], int]) -> int:
+    status, problems, exit_code = outcome
+    print(f"{where}: {status}")
+    for problem in problems:
+        print(f"  {problem}")
+    return exit_code
 
 
 def _verify_one(path: Path) -> tuple[str, list[str], int]:
@@ -161,19 +220,42 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"hpctrain ckpt export: {out} must end in .pt or .safetensors", file=sys.stderr)
         return 2
     try:
-        path = layout.resolve(args.path)
-        problems = layout.verify(path)
-        if problems:
-            raise layout.CheckpointError(f"{path} is corrupt: {'; '.join(problems)}")
-        written = write_stream(out, checkpoint_source(path))
+        with _export_source(args.path) as (path, where):
+            problems = layout.verify(path)
+            if problems:
+                raise layout.CheckpointError(f"{where} is corrupt: {'; '.join(problems)}")
+            written = write_stream(out, checkpoint_source(path))
+            step = layout.read_manifest(path).get("step")
     except (layout.CheckpointError, ExportError, UnsafePickleError, TensorFileError) as err:
         print(f"hpctrain ckpt export: error: {err}", file=sys.stderr)
         # 2: no checkpoint there, or a crafted one refused; 1: a corrupt one, or the output cannot be written
         return err.exit_code
     assert written is not None  # write=True
-    print(f"wrote {out} ({written.tensors} tensors, {written.nbytes / 1e6:.1f} MB, step "
-          f"{layout.read_manifest(path).get('step')}) from {path}")
+    print(f"wrote {out} ({written.tensors} tensors, {written.nbytes / 1e6:.1f} MB, step {step}) from {where}")
     return 0
+
+
+@contextmanager
+def _export_source(spec: str) -> Iterator[tuple[Path, str]]:
+    """(a local checkpoint directory, what to call it): a local path's, or the newest remote
+    checkpoint of a URL that downloads intact (corrupt ones are said and skipped)."""
+    if not remote.is_remote(spec):
+        path = layout.resolve(spec)
+        yield path, str(path)
+        return
+    store, entries = _remote_tier(spec)
+    for _, name in reversed(entries):
+        with tempfile.TemporaryDirectory(prefix="hpctrain-ckpt-") as tmp:
+            try:
+                path = remote.download(store, name, Path(tmp))
+            except layout.UnreadableCheckpointError:
+                raise
+            except layout.CheckpointError as err:  # missing or corrupt files: the next older one
+                print(f"hpctrain ckpt export: {store.url}/{name} is skipped: {err}", file=sys.stderr)
+                continue
+            yield path, f"{store.url}/{name}"
+            return
+    raise layout.NoCheckpointError(f"{spec} holds no intact committed checkpoint; hint: `hpctrain ckpt list {spec}`")
 
 
 def checkpoint_source(path: Path) -> Source:

@@ -7,12 +7,15 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from hpctrain.core.errors import UserError
+from hpctrain.core.storage import check_storage_options, is_url
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.indexing import index_existing
 from hpctrain.data.manifest import summarize
 from hpctrain.data.pack import DEFAULT_SEQ_LEN, VAL_FRACTION, PackOptions
+from hpctrain.data.remote import mirror, other_classes, uploading, verify_remote
 from hpctrain.data.sources import open_source, pack_choices, pack_source
 from hpctrain.data.verify import Problem, class_mismatches, unlisted_shards, verify
 from hpctrain.data.writer import parse_size, write_shards
@@ -22,22 +25,47 @@ def cmd_shard(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     splits = _shard_splits(args)
+    remote = is_url(args.out_dir)
+    storage = _storage_options(args)
+    known = other_classes(args.out_dir, storage, splits) if remote else _other_classes(Path(args.out_dir), splits)
     options = PackOptions(args.seq_len, args.glob, _val_fraction(args), num_classes=args.num_classes,
-                          image_size=args.image_size, classes=_other_classes(Path(args.out_dir), splits),
+                          image_size=args.image_size, classes=known,
                           allow_missing_classes=args.allow_missing_classes, input_columns=args.input_column,
-                          label_column=args.label_column)
+                          label_column=args.label_column, packing=args.packing, tokenizer=args.tokenizer)
     # every split's source before any is written: a bad one leaves no half-written directory
     sources = {split: open_source(args.source, split, options) for split in splits}
     max_bytes = parse_size(args.shard_size) if args.shard_size else None
-    for split, source in sources.items():
-        with tqdm(total=source.size, unit="sample", desc=f"{split} shards", dynamic_ncols=True,
-                  disable=args.quiet, file=sys.stderr) as bar:
-            manifest = write_shards(source.samples, args.out_dir, split, samples_per_shard=args.samples_per_shard,
-                                    max_bytes=max_bytes, meta=source.meta, progress=bar.update)
-        total = sum(s["bytes"] for s in manifest["shards"])
-        print(f"wrote {manifest['total_samples']} samples in {len(manifest['shards'])} shards "
-              f"({total / 1e6:.1f} MB) to {args.out_dir} (split {split})")
+    # object storage: each file is uploaded when finished (tars, indexes, the manifest last), from a scratch dir
+    scratch, upload, cleanup = uploading(args.out_dir, storage) if remote else (Path(args.out_dir), None, None)
+    try:
+        for split, source in sources.items():
+            with tqdm(total=source.size, unit="sample", desc=f"{split} shards", dynamic_ncols=True,
+                      disable=args.quiet, file=sys.stderr) as bar:
+                manifest = write_shards(source.samples, scratch, split, samples_per_shard=args.samples_per_shard,
+                                        max_bytes=max_bytes, meta=source.meta, progress=bar.update, on_file=upload)
+            _wrote(manifest, args.out_dir, split)
+    finally:
+        if cleanup is not None:
+            cleanup()
     return 0
+
+
+def _wrote(manifest: dict[str, Any], out: str, split: str) -> None:
+    total = sum(s["bytes"] for s in manifest["shards"])
+    print(f"wrote {manifest['total_samples']} samples in {len(manifest['shards'])} shards "
+          f"({total / 1e6:.1f} MB) to {out} (split {split})")
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--storage-option NAME=VALUE (repeatable), checked like data.storage_options."""
+    raw: dict[str, Any] = {}
+    for item in args.storage_option or []:
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--storage-option {item!r} is not NAME=VALUE; example: --storage-option "
+                            "endpoint_url=http://minio:9000")
+        raw[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return check_storage_options("--storage-option", raw)
 
 
 def _shard_splits(args: argparse.Namespace) -> tuple[str, ...]:
@@ -91,6 +119,8 @@ def _splits(root: Path, split: str | None, unlisted: list[Problem]) -> list[str]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if is_url(args.out_dir):
+        return 1 if verify_remote(args.out_dir, _storage_options(args), args.split, not args.quick, _report) else 0
     root = Path(args.out_dir)
     unlisted = [] if args.split else unlisted_shards(root)  # shards whose manifest is gone fail too
     splits = _splits(root, args.split, unlisted)
@@ -108,8 +138,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad or unlisted else 0
 
 
+def _report(split: str, problems: list[Problem]) -> None:
+    for p in problems:
+        print(f"FAIL {split}: {p}", file=sys.stderr)
+    if not problems:
+        print(f"ok   {split}: every shard matches the manifest and its index")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    rows = summarize(args.out_dir)
+    # on object storage: the manifests as mirrored (what a run reads)
+    rows = summarize(mirror(args.out_dir, _storage_options(args)) if is_url(args.out_dir) else args.out_dir)
     if not rows:
         raise ShardError(f"{args.out_dir} holds no *.manifest.json; hint: hpctrain data shard SOURCE {args.out_dir}")
     if args.json:
@@ -173,18 +211,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "the label); jsonl: packs the records as a table")
     p.add_argument("--label-column", default="label", metavar="NAME",
                    help="csv/parquet/jsonl/hf: the column of class ids 0..C-1 (default: label)")
+    p.add_argument("--packing", choices=["windows", "documents"], default="windows",
+                   help="text: windows = each document cut on its own (default); documents = documents packed "
+                        "into windows with their boundaries kept (docs/data.md)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="text: a Hugging Face tokenizer directory (save_pretrained), read offline (default: bytes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _storage_flag(p)
     p.set_defaults(func=_guarded(cmd_shard))
 
     p = sub.add_parser("verify", help="check every shard against the manifest and its index (exit 1 on a mismatch)")
     p.add_argument("out_dir")
     p.add_argument("--split", help="one split (default: every manifest in OUT_DIR)")
     p.add_argument("--quick", action="store_true", help="sizes only (no sha256, no per-sample check)")
+    _storage_flag(p)
     p.set_defaults(func=_guarded(cmd_verify))
 
     p = sub.add_parser("inspect", help="print counts, classes and sizes per split")
     p.add_argument("out_dir")
     p.add_argument("--json", action="store_true")
+    _storage_flag(p)
     p.set_defaults(func=_guarded(cmd_inspect))
 
     p = sub.add_parser("index", help="index tars written by another tool (e.g. webdataset.ShardWriter)")
@@ -193,3 +239,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--pattern", help="glob of the tars (default: <split>-*.tar)")
     p.set_defaults(func=_guarded(cmd_index))
     return parser
+
+
+def _storage_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", action="append", metavar="NAME=VALUE",
+                   help="OUT_DIR on object storage (s3://BUCKET/PREFIX): endpoint_url, addressing_style, region, "
+                        "profile, anon, retries, as data.storage_options (credentials: AWS_ACCESS_KEY_ID / "
+                        "AWS_SECRET_ACCESS_KEY or AWS_PROFILE in the environment)")

@@ -10,7 +10,7 @@ import sys
 from typing import NamedTuple
 
 from hpctrain.core.errors import UserError
-from hpctrain.estimate import activations, gpu_memory, hfconfig, model, reliability
+from hpctrain.estimate import gpu_memory, hfconfig, model, reliability, strategy_memory
 from hpctrain.estimate.render import render
 from hpctrain.estimate.sizing import Inputs, estimate
 from hpctrain.telemetry.accelerators import ACCELERATORS, PRECISIONS, Accelerator, lookup
@@ -192,7 +192,11 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
                   sequence_parallel=args.sequence_parallel, gpu_mtbf_hours=mtbf_hours, mtbf_source=mtbf_source,
                   ckpt_gbps=args.ckpt_bandwidth, shape=shape, measured_activations=size.activations,
                   counted_flops_per_sample=size.flops_per_sample, seq_len_known=found.seq_len_known,
-                  seq_len_source=found.seq_len_source, warnings=found.warnings)
+                  seq_len_source=found.seq_len_source, warnings=found.warnings, grad_accum=args.grad_accum,
+                  microbatches=args.microbatches, pp_schedule=args.pp_schedule, attention=args.attention,
+                  loss_parallel=args.loss_parallel, vocab_parallel=args.vocab_parallel,
+                  deepspeed_stage=args.deepspeed_stage, dp_replicate=args.dp_replicate, cpu_offload=args.cpu_offload,
+                  reduce_every_microstep=args.reduce_every_microstep)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -224,7 +228,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="device memory in GB (1e9 bytes), over the table's")
     run.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
                      help="dense peak TFLOP/s per GPU at --precision, over the table's")
-    run.add_argument("--strategy", help=f"mark one strategy: {', '.join(gpu_memory.STRATEGIES)} (all are shown)")
+    run.add_argument("--strategy", help=f"mark one strategy: {', '.join(gpu_memory.STRATEGIES)} (all are shown); "
+                     "hsdp or deepspeed (the declared memory only); the declared memory is fsdp's unless given")
     run.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     run.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     run.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with --tp")
@@ -239,8 +244,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--achieved-tflops", type=float, metavar="TFLOPS",
                      help="achieved hardware TFLOP/s per GPU as papers report it, instead of --mfu")
     run.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (default 1)")
-    run.add_argument("--activation-checkpointing", default="none", choices=activations.RECOMPUTE,
-                     help="activation recomputation (default none)")
+    run.add_argument("--activation-checkpointing", default="none", choices=strategy_memory.RECOMPUTE,
+                     help="activation recomputation (default none): selective keeps every matmul's output "
+                          "(hpctrain's), selective_op every other one (torchtitan's op-level policy), full each "
+                          "block's input")
+    declared = p.add_argument_group("what the strategy holds (the declared memory, docs/estimate.md)")
+    declared.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
+    declared.add_argument("--microbatches", type=int, help="with --pp: pipeline micro-batches per step, each of "
+                          "--micro-batch sequences (default --pp)")
+    declared.add_argument("--pp-schedule", default="1f1b", choices=strategy_memory.SCHEDULES,
+                          help="pipeline schedule (default 1f1b; gpipe holds every micro-batch's activations)")
+    declared.add_argument("--attention", default="flash", choices=strategy_memory.ATTENTION,
+                          help="attention kernel: flash (also memory-efficient SDPA: no s x s scores kept; default, "
+                               "CUDA) or math (keeps the softmax)")
+    declared.add_argument("--loss-parallel", action="store_true",
+                          help="with --tp: the logits and the loss split over the tp ranks (Megatron, torchtitan)")
+    declared.add_argument("--no-vocab-parallel", dest="vocab_parallel", action="store_false",
+                          help="with --tp: the embedding and the head whole on every tp rank (hpctrain's gpt)")
+    declared.add_argument("--deepspeed-stage", type=int, default=2, choices=(1, 2, 3),
+                          help="--strategy deepspeed: ZeRO stage (default 2)")
+    declared.add_argument("--dp-replicate", type=int, default=1, help="--strategy hsdp: replicas (default 1)")
+    declared.add_argument("--cpu-offload", action="store_true", help="fsdp/hsdp: sharded state in host memory")
+    declared.add_argument("--no-reduce-every-microstep", dest="reduce_every_microstep", action="store_false",
+                          help="fsdp/hsdp with --grad-accum: whole gradients between reduce-scatters")
     rel = p.add_argument_group("checkpointing and failures")
     rel.add_argument("--mtbf-hours", type=float,
                      help="mean time between failures of ONE GPU, in hours; the cluster's is this / --gpus")

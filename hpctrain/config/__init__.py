@@ -22,7 +22,7 @@ import yaml
 
 from hpctrain.config.checkpoint import CheckpointConfig
 from hpctrain.config.data import BatchSplit, DataConfig, batch_split
-from hpctrain.config.model import ModelConfig
+from hpctrain.config.model import ModelConfig, check_experts
 from hpctrain.config.optim import OptimConfig
 from hpctrain.config.parallel import ParallelConfig
 from hpctrain.config.telemetry import TelemetryConfig
@@ -46,7 +46,8 @@ class Config:
     run: RunConfig = sub(RunConfig)
     checkpoint: CheckpointConfig = sub(CheckpointConfig)
     telemetry: TelemetryConfig = sub(TelemetryConfig)
-    resume: str = opt("auto", "auto: continue from the newest committed checkpoint of run.dir; never: start fresh; or a checkpoint PATH.")
+    resume: str = opt("auto", "auto: continue from the newest committed checkpoint of run.dir (or of "
+                      "checkpoint.remote's tier); never: start fresh; or a checkpoint PATH or s3:// URL.")
 
 
 # ---------------------------------------------------------------- loading
@@ -87,6 +88,7 @@ def _check_across_sections(cfg: Config) -> None:
             "are both set; hint: with a global batch the accumulation is derived (data.batch_size caps the "
             "micro-batch): leave train.grad_accum at 1")
     _check_fp8(cfg)
+    check_experts(cfg.model, cfg.parallel)  # model.experts x parallel.ep / tp / pp
 
 
 def _check_fp8(cfg: Config) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from hpctrain.core.section import ConfigError, at_least, opt, positive
+from hpctrain.core.storage import check_storage_options
 
 # What checkpoint.signals may name. SIGHUP too: NCCL and other libraries may install their own SIGUSR1
 # handlers (why submitit moved to SIGHUP), and some sites reserve SIGUSR1 (docs/cluster.md).
@@ -29,6 +31,11 @@ class CheckpointConfig:
     keep_last: int = opt(3, "Keep the newest K committed checkpoints (>= 1).")
     keep_every: int | None = opt(None, "Also keep every checkpoint whose step is a multiple of M.")
     signals: list[str] = opt(["SIGUSR1", "SIGTERM"], "Signals that request save-and-exit (preemption): any of SIGUSR1, SIGUSR2, SIGHUP, SIGTERM, SIGINT (`hpctrain slurm --signal` sets it to match).")
+    remote: str | None = opt(None, "Object-storage tier: s3://BUCKET/PREFIX. Each committed checkpoint is uploaded there in the background (files first, manifest last); resume=auto takes the newest intact checkpoint of either tier (docs/checkpointing.md).", none_text=("none", "null", "off"))
+    storage_options: dict[str, Any] = opt({}, "For checkpoint.remote: endpoint_url, addressing_style, region, profile, anon, retries (e.g. checkpoint.storage_options.endpoint_url=http://minio:9000). Never credentials: they come from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile or an instance role.")
+    remote_keep_last: int | None = opt(None, "Keep the newest K checkpoints on the remote tier (None = keep_last); keep_every applies there too.")
+    remote_queue: int = opt(2, "Committed checkpoints that may wait while one uploads; a newer one replaces the oldest waiting one (logged), so training never waits on the upload.")
+    remote_wait_s: float = opt(300.0, "At the end of training: wait at most this long for the uploads in flight (what is left is logged; the next run uploads the newest).")
     signal_check_every: int = opt(1, "Steps between the all-reduce that agrees on a signal / wall-clock save (multi-rank only).")
 
     def __post_init__(self) -> None:
@@ -47,10 +54,23 @@ def validate_checkpoint_config(c: CheckpointConfig) -> None:
     if c.keep_every is not None and c.keep_every <= 0:
         raise ConfigError(f"checkpoint.keep_every={c.keep_every} must be > 0 (or None)")
     at_least("checkpoint", c, "signal_check_every", 1)
+    _check_remote(c)
     at_least("checkpoint", c, "stagger_seconds", 0)
     for name in c.signals:
         if name not in SIGNALS or not hasattr(signal, name):
             raise ConfigError(f"checkpoint.signals: {name!r} is not one of {', '.join(SIGNALS)}")
+
+
+def _check_remote(c: CheckpointConfig) -> None:
+    if c.remote is not None and not re.match(r"s3://[^/]+", c.remote):
+        raise ConfigError(f"checkpoint.remote={c.remote!r} is not an s3://BUCKET/PREFIX URL; hint: "
+                          "checkpoint.remote=s3://my-bucket/runs/my-run (endpoint: AWS_ENDPOINT_URL or "
+                          "checkpoint.storage_options.endpoint_url)")
+    if c.remote_keep_last is not None and c.remote_keep_last < 1:
+        raise ConfigError(f"checkpoint.remote_keep_last={c.remote_keep_last} must be >= 1 (or None = keep_last)")
+    check_storage_options("checkpoint.storage_options", c.storage_options)
+    at_least("checkpoint", c, "remote_queue", 1)
+    at_least("checkpoint", c, "remote_wait_s", 0)
 
 
 def _check_every_seconds(value: str | None) -> None:

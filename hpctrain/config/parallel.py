@@ -37,6 +37,8 @@ class ParallelConfig:
     dp: int = opt(0, "Data-parallel degree; 0 = world size / (tp x pp). dp x tp x pp must equal the world size.")
     tp: int = opt(1, "Tensor-parallel degree (DTensor column/row plans for attention and MLP; keep it within a node). Needs a model whose `blocks` hold Linears q, k, v, o, up, down (the gpt), with heads divisible by tp; the tp ranks of one replica read the same batches. tp > 1 with dp > 1 needs strategy fsdp or hsdp.")
     pp: int = opt(1, "Pipeline-parallel degree (torch.distributed.pipelining stages; blocks split as evenly as possible, the extra ones to the middle stages, as hpctrain estimate --pp sizes them). pp > 1 with dp > 1 needs strategy fsdp or hsdp.")
+    cp: int = opt(1, "Context-parallel degree: the ranks of a cp group share each sequence (2 x cp chunks, rank r computes chunks r and 2cp-1-r; keys and values all-gathered in each attention layer, torch's ring attention on CUDA): activations per rank fall about 1/cp. For gpt, llama and Hugging Face Llama/Mistral/Qwen2 with train.task=causal_lm; model.seq_len must be a multiple of 2 x cp; the cp ranks of one replica read the same batches; gradients are averaged over dp x cp (fsdp shards over dp x cp). With tp > 1 needs strategy fsdp or hsdp; no pp, sequence_parallel or deepspeed (docs/parallel.md).")
+    ep: int = opt(1, "Expert-parallel degree (a mixture of experts: model.experts): each expert lives on one of ep ranks, tokens travel to it and back by all-to-all. Its ranks are data-parallel ranks: ep must divide dp (and model.experts); needs strategy fsdp, which shards the other weights over dp and each rank's experts over the dp / ep ranks that hold the same ones (docs/parallel.md).")
     dp_replicate: int = opt(0, "hsdp: replicas (outer mesh dim); 0 = the number of nodes. Shards per replica = dp / dp_replicate.")
     sequence_parallel: bool = opt(False, "With tp > 1: also shard layer norms and the residual stream along the sequence (Megatron sequence parallelism).")
     reshard_after_forward: bool = opt(True, "fsdp/hsdp: free gathered parameters after forward (true = ZeRO-3) or keep them until backward (false = ZeRO-2: more memory, one all-gather less).")
@@ -52,6 +54,8 @@ class ParallelConfig:
     deepspeed_stage: int = opt(2, "strategy=deepspeed: ZeRO stage 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).")
     memory_budget_gb: float | None = opt(None, "strategy=auto: memory one rank may use, in GB (1e9 bytes); default: the GPU's total memory; required on CPU.")
     memory_margin: float = opt(0.1, "strategy=auto: fraction of the memory budget kept free (the estimate's error, allocator fragmentation); a plan fits when its estimate is within budget x (1 - margin).")
+    target_gpu: str | None = opt(None, "strategy=auto: the GPU the plan is for, by its name in the accelerator table (hpctrain estimate --gpu: h100-sxm, a100-40gb, ...): its memory (unless parallel.memory_budget_gb) and its peak rate; default: the GPU found at run time (its reported memory). `hpctrain plan --gpu` sets it: put the same value in the job's config and auto chooses exactly the plan that `hpctrain plan` printed (docs/parallel.md).")
+    target_peak_tflops: float | None = opt(None, "strategy=auto with parallel.target_gpu: the GPU's dense peak TFLOP/s at the run's precision (a part the table lacks, or to override its row; hpctrain plan --peak-tflops).")
     backend: Literal["auto", "nccl", "gloo"] = opt("auto", "Process-group backend; auto = nccl with CUDA, else gloo.")
     init_timeout_s: float = opt(600.0, "Seconds to wait for all ranks in init_process_group and collectives.")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB.")
@@ -63,8 +67,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _one_of("parallel.strategy", self.strategy, (*STRATEGY_NAMES, AUTO))
-        positive("parallel", self, "init_timeout_s", "bucket_cap_mb", "tp", "pp", "microbatches", "virtual_stages",
-                 "memory_budget_gb")
+        positive("parallel", self, "init_timeout_s", "bucket_cap_mb", "tp", "pp", "cp", "ep", "microbatches",
+                 "virtual_stages", "memory_budget_gb", "target_peak_tflops")
         if not 0 <= self.memory_margin < 1:
             raise ConfigError(f"parallel.memory_margin={self.memory_margin} must be a fraction in [0, 1), e.g. 0.1")
         at_least("parallel", self, "dp", 0)
@@ -98,7 +102,8 @@ def check_topology(cfg: ParallelConfig, world_size: int, *, num_nodes: int = 1) 
     """The topology of ``world_size`` ranks (:meth:`hpctrain.core.topology.Topology.from_config`)
     after the checks that need the world size, or a ConfigError naming the numbers."""
     topo = Topology.from_config(cfg, world_size, num_nodes=num_nodes)
-    if topo.dp > 1 and topo.model_split and cfg.strategy not in SHARDED:
+    # context parallel alone keeps whole weights on every rank: DDP averages over dp x cp
+    if topo.dp > 1 and (topo.tp > 1 or topo.pp > 1) and cfg.strategy not in SHARDED:
         raise ConfigError(f"parallel.strategy={cfg.strategy} with dp={topo.dp} x tp={cfg.tp} x pp={cfg.pp} is not "
                           "supported; hint: use parallel.strategy=fsdp (or hsdp) to combine data with "
                           "tensor/pipeline parallelism")

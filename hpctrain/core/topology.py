@@ -34,7 +34,7 @@ from hpctrain.core.section import ConfigError
 
 # Dimensions with a size but no implementation in the trainer yet: the config check refuses them
 # (exit 2) rather than ignoring them.
-NOT_YET: dict[str, str] = {"cp": "context", "ep": "expert"}
+NOT_YET: dict[str, str] = {}
 
 # Strategies whose data-parallel dimension is replicas (outer) x shards (inner): HSDP.
 REPLICATED = ("hsdp",)
@@ -96,6 +96,13 @@ class Topology:
         return self.pp * self.dp * self.cp * self.tp
 
     @property
+    def dp_cp(self) -> int:
+        """The ranks that average the gradients of the weights they all hold: the data-parallel
+        replicas and, in each, the context-parallel ranks (which see different tokens of one batch).
+        DDP reduces over them; FSDP shards over them (the flattened ``dp_cp`` mesh dim, as torchtitan)."""
+        return self.dp * self.cp
+
+    @property
     def model_split(self) -> bool:
         """Is the model (or its sequence) cut over ranks, so that a strategy needs a mesh?"""
         return self.tp > 1 or self.pp > 1 or self.cp > 1
@@ -122,7 +129,7 @@ class Topology:
         ``pp``, ``dp`` and ``tp`` are always there (size 1 when unused) so strategies can index them."""
         dp: tuple[tuple[str, int], ...] = (
             (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.dp_replicate > 1
-            else (("dp", self.dp),))
+            else self._expert_dims() or (("dp", self.dp),))
         cp = (("cp", self.cp),) if self.cp > 1 else ()
         return (("pp", self.pp), *dp, *cp, ("tp", self.tp))
 
@@ -135,8 +142,21 @@ class Topology:
 
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """Dimensions made of several of :meth:`dims`: under HSDP, ``dp`` = replicate x shard (the
-        loaders' and evaluation's data-parallel group)."""
-        return {"dp": ("dp_replicate", "dp_shard")} if self.dp_replicate > 1 else {}
+        loaders' and evaluation's data-parallel group); with context parallel, ``dp_cp`` (HSDP:
+        ``dp_shard_cp``), the ranks FSDP shards over (:attr:`dp_cp`)."""
+        if self.dp_replicate == 1 and self._expert_dims():
+            return {"dp": ("edp", "ep")}
+        flat: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard")} if self.dp_replicate > 1 else {}
+        if self.cp > 1:  # FSDP shards over dp x cp (HSDP: replicas of dp_shard x cp)
+            flat |= {"dp_shard_cp": ("dp_shard", "cp")} if self.dp_replicate > 1 else {"dp_cp": ("dp", "cp")}
+        return flat
+
+    def _expert_dims(self) -> tuple[tuple[str, int], ...]:
+        """Expert parallelism splits ``dp`` into ``edp`` (the replicas of one rank's experts,
+        outer) x ``ep`` (the ranks that hold different experts, inner; all-to-all among them)."""
+        if self.ep == 1 or self.dp % self.ep:
+            return ()
+        return (("edp", self.dp // self.ep), ("ep", self.ep))
 
     # ---------------------------------------------------------------- from the config
 
@@ -148,13 +168,19 @@ class Topology:
         model_parallel = math.prod(getattr(cfg, name, 1) for name in ("tp", "pp", "cp"))
         dp = cfg.dp or world // model_parallel
         if dp * model_parallel != world:
+            cp = getattr(cfg, "cp", 1)
             raise ConfigError(f"parallel.dp ({cfg.dp or 'auto'} -> {dp}) x parallel.tp ({cfg.tp}) x parallel.pp "
-                              f"({cfg.pp}) = {dp * model_parallel} != world size {world}; hint: choose degrees whose "
-                              f"product is {world}, or leave parallel.dp=0 and make tp x pp divide it")
+                              f"({cfg.pp}){f' x parallel.cp ({cp})' if cp > 1 else ''} = {dp * model_parallel} != "
+                              f"world size {world}; hint: choose degrees whose product is {world}, or leave "
+                              f"parallel.dp=0 and make tp x pp{' x cp' if cp > 1 else ''} divide it")
         replicate = _replicas(cfg, dp, num_nodes)
         topo = cls(pp=cfg.pp, dp_replicate=replicate, dp_shard=dp // replicate, cp=getattr(cfg, "cp", 1), tp=cfg.tp,
                    ep=getattr(cfg, "ep", 1))
         topo.check_implemented()
+        if topo.ep > 1 and (topo.dp_shard % topo.ep or topo.dp_replicate > 1):
+            raise ConfigError(f"parallel.ep ({topo.ep}) must divide the data-parallel degree dp ({topo.dp}), without "
+                              "HSDP replicas: the experts are split over data-parallel ranks; hint: parallel.ep="
+                              f"{math.gcd(topo.ep, topo.dp)}")
         return topo
 
 

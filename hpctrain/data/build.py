@@ -9,22 +9,27 @@ protocols, :class:`TrainLoader` and :class:`EvalBatches`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
+from hpctrain.config import _build as build_section  # the config's own coercion and messages, for data.mix's keys
 from hpctrain.config.data import DataConfig
+from hpctrain.config.mix import RUN_ONLY, MixEntry, mix_entries
 from hpctrain.core.env import ClusterEnv
+from hpctrain.core.errors import HpctrainError
 from hpctrain.core.section import ConfigError
-from hpctrain.data.batch import ArrayDataset, Batch, BatchedDataset, ItemDataset, main_input
+from hpctrain.data.batch import ArrayDataset, Batch, BatchedDataset, ItemDataset, batched, main_input
 from hpctrain.data.in_memory import EvalLoader, MemoryLoader
 from hpctrain.data.loader import IndexedBatches, MapStyleLoader, ShardedEvalLoader, ShardedLoader
 from hpctrain.data.manifest import manifest_path
+from hpctrain.data.mixture import MixedEval, MixSource, MixtureLoader, Reader, source_seed
 from hpctrain.data.shard_dataset import ShardDataset
 from hpctrain.data.sources import hook, load_split, resolve_source
 from hpctrain.data.stage import resolve_stage_dir, stage_shards
@@ -120,7 +125,10 @@ def build_data(data: DataConfig, env: ClusterEnv, device: torch.device, *, seed:
     it); ``num_classes``: the model's class count, for shards whose manifest lists none;
     ``targets``: what the labels of tables and users' datasets must be (the task's kind,
     :func:`hpctrain.tasks.data_targets`): class ids, float values, 0/1 vectors, or any.
+    With ``data.mix``: one loader over the weighted sources (:func:`_mixture_data`).
     """
+    if data.mix is not None:
+        return _mixture_data(data, env, device, seed, seq_len, num_classes, with_val, targets)
     source, arg = resolve_source(data.name)
     if source.splits is not None:
         user = _splits(source.splits, data, arg, seed, targets, seq_len)
@@ -140,6 +148,8 @@ def build_data(data: DataConfig, env: ClusterEnv, device: torch.device, *, seed:
 def build_val_loader(data: DataConfig, env: ClusterEnv, *, seed: int, seq_len: int | None = None,
                      num_classes: int | None = None, targets: str = "class") -> ValData:
     """The evaluation loader of ``data.val_split`` for any ``data.name``, and its layout (``hpctrain eval``)."""
+    if data.mix is not None:
+        return _mixture_val(data, env, seed, seq_len, num_classes, targets)
     source, arg = resolve_source(data.name)
     if source.splits is not None:
         user: UserData = _splits(source.splits, data, arg, seed, targets, seq_len)
@@ -332,3 +342,89 @@ def _user_layout(user: UserData, template: Batch, classes: int | None, targets: 
                           "or give num_classes in the mapping (or a classes list on the dataset)")
     layout = data_layout(num_classes=width or 0, input_shape=shape, input_dtype=first.dtype)
     return DataLayout(layout.num_classes, layout.input_shape, layout.input_dtype, layout.task, is_class)
+
+
+# ---------------------------------------------------------------- weighted mixtures (data.mix)
+
+
+def _mixture_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: int, seq_len: int | None,
+                  num_classes: int | None, with_val: bool, targets: str) -> DataBundle:
+    """Each source built as ``data.name``/``data.path`` alone would be (:func:`build_data`, so every
+    source form works), then one :class:`MixtureLoader` over their samples and one validation
+    loader over their validation splits, each source's metrics reported too."""
+    built = []
+    for entry in mix_entries(data.mix or [], [f.name for f in dataclasses.fields(data)]):
+        cfg = _source_config(data, entry)
+        try:
+            bundle = build_data(cfg, env, device, seed=seed, seq_len=seq_len, num_classes=num_classes,
+                                with_val=with_val, targets=targets)
+        except HpctrainError as err:
+            raise _named(err, entry) from None
+        built.append((entry, cfg, bundle))
+    layout = _agreed_layout([(entry, bundle) for entry, _, bundle in built])
+    sources = [_mix_source(entry, cfg, bundle.train_loader, seed) for entry, cfg, bundle in built]
+    loader = MixtureLoader(sources, env, data.batch_size, seed=seed, drop_last=data.drop_last,
+                           num_workers=data.num_workers, prefetch_factor=data.prefetch_factor,
+                           pin_memory=_pin(data, device), persistent_workers=data.persistent_workers)
+    vals = [(entry.label, bundle.val_loader) for entry, _, bundle in built if bundle.val_loader is not None]
+    val = MixedEval(vals) if vals else None
+    return _bundle(loader, loader.num_samples, layout, val, sum(b.val_size for _, _, b in built))
+
+
+def _mixture_val(data: DataConfig, env: ClusterEnv, seed: int, seq_len: int | None, num_classes: int | None,
+                 targets: str) -> ValData:
+    """``hpctrain eval`` of a mixture: every source's validation split, each reported too."""
+    bundle = _mixture_data(data, env, torch.device("cpu"), seed, seq_len, num_classes, True, targets)
+    if bundle.val_loader is None:
+        raise ConfigError(f"data.mix: no source has a {data.val_split} split to evaluate")
+    layout = DataLayout(bundle.num_classes, bundle.input_shape, bundle.input_dtype, bundle.task, bundle.class_targets)
+    return ValData(bundle.val_loader, bundle.val_size, layout)
+
+
+def _source_config(data: DataConfig, entry: MixEntry) -> DataConfig:
+    """The run's data section as this source alone: its own keys over the run's; one sample per
+    batch (a small source need not hold a global batch: the mixture's loader makes the batches)."""
+    raw = {f.name: getattr(data, f.name) for f in dataclasses.fields(data) if f.name not in RUN_ONLY}
+    raw.update(entry.options, eval_batch_size=eval_batch_size(data), batch_size=1, num_workers=0)
+    raw["path"] = entry.options.get("path")  # the run's data.path belongs to data.name, not to this source
+    cfg: DataConfig = build_section(DataConfig, raw, f"data.mix[{entry.index}].")
+    return cfg
+
+
+def _named(err: HpctrainError, entry: MixEntry) -> HpctrainError:
+    """The error, of its own kind (its exit code), naming the source it came from."""
+    try:
+        return type(err)(f"{entry.key}: {err}")
+    except Exception:  # noqa: BLE001 - an error class with another signature: as it is
+        return err
+
+
+def _mix_source(entry: MixEntry, cfg: DataConfig, loader: TrainLoader, seed: int) -> MixSource:
+    """A source's samples by id and the sizes its own order shuffles, from its training loader."""
+    seed_s = source_seed(seed, entry.label)
+    if isinstance(loader, MapStyleLoader):  # tar shards, map-style datasets of users and tables
+        reader = cast(Reader, loader.dataset)  # build_data's: an IndexedBatches or a ShardDataset, both read by id
+        return MixSource(entry.label, entry.weight, reader, loader.sizes, loader.num_samples, seed_s,
+                         loader.shuffle, loader.shuffle_window)
+    if isinstance(loader, MemoryLoader):
+        memory = IndexedBatches(batched(loader.dataset))
+        return MixSource(entry.label, entry.weight, memory, [len(memory)], len(memory), seed_s, cfg.shuffle,
+                         cfg.shuffle_window)
+    raise ConfigError(f"{entry.key} is a stream (an IterableDataset): a mixture reads its sources' samples by "
+                      "index; hint: give a map-style dataset, or shard it first (hpctrain data shard)")
+
+
+def _agreed_layout(built: list[tuple[MixEntry, DataBundle]]) -> DataLayout:
+    """The one layout of the mixture: every source must give the model the same inputs and task."""
+    first, ref = built[0]
+    classes = max(b.num_classes for _, b in built)
+    for entry, b in built[1:]:
+        for what, mine, theirs in (("task", b.task, ref.task), ("input shape", b.input_shape, ref.input_shape),
+                                   ("input dtype", b.input_dtype, ref.input_dtype),
+                                   ("class targets", b.class_targets, ref.class_targets),
+                                   ("classes (vocabulary)", b.num_classes, ref.num_classes)):
+            if mine != theirs and not (what.startswith("classes") and 0 in (mine, theirs) and ref.task != CAUSAL_LM):
+                raise ConfigError(f"{entry.key} has {what} {mine}, but {first.key} has {theirs}; hint: the sources "
+                                  "of a mixture must agree on the task, the input shape and dtype, and the classes "
+                                  "(the vocabulary of token data)")
+    return DataLayout(classes, ref.input_shape, ref.input_dtype, ref.task, ref.class_targets)

@@ -138,6 +138,7 @@ def check_manifest(path: Path, root: Path, manifest: dict[str, Any]) -> None:
     if not isinstance(shards, list):
         raise bad(f"'shards' is {_shown(shards)}, not a list")
     tars = _checked_data_dir(root, manifest, bad)
+    _check_remote(root, manifest, bad)
     for n, shard in enumerate(shards):
         _check_shard_entry(n, shard, tars, bad)
 
@@ -177,6 +178,22 @@ def _checked_data_dir(root: Path, manifest: dict[str, Any], bad: Any) -> Path:
         raise bad(f"'data_dir' {value!r} sends the reader outside {root}: only an index hpctrain wrote into its "
                   f"cache or a {INDEX_DIR_PREFIX}* folder may name the directory of its tars")
     return Path(value)
+
+
+def _check_remote(root: Path, manifest: dict[str, Any], bad: Any) -> None:
+    """A ``remote`` (the object-store URL of the tars) is honoured only in hpctrain's metadata mirror
+    (:mod:`hpctrain.data.remote`): anywhere else it would send the reader to a store it was not given."""
+    rec = manifest.get("remote")
+    if rec is None:
+        return
+    if not (isinstance(rec, dict) and isinstance(rec.get("url"), str) and isinstance(rec.get("options", {}), dict)):
+        raise bad(f"'remote' is {_shown(rec)}, not {{url, options}}")
+    try:
+        mirrored = root.resolve().parent == (cache_root() / "remote").resolve()
+    except OSError:
+        mirrored = False
+    if not mirrored or "data_dir" in manifest:
+        raise bad(f"'remote' {rec['url']!r}: only hpctrain's mirror of a store's indexes may name one")
 
 
 def _count(value: Any) -> bool:

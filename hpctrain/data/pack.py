@@ -32,6 +32,8 @@ class PackOptions:
     allow_missing_classes: bool = False  # imagefolder: this split may lack some of ``classes``
     input_columns: list[str] | None = None  # tables: the input columns; None = every column but the label
     label_column: str = "label"  # tables: the column of class ids
+    packing: str = "windows"  # text: windows of one document, or documents packed (hpctrain.data.packed)
+    tokenizer: str | None = None  # text: a Hugging Face tokenizer directory; None = bytes
 
 
 DEFAULT_PACK = PackOptions()

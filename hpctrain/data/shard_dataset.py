@@ -20,6 +20,7 @@ from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.manifest import IMAGE_EXTS, INPUT_EXTS
 from hpctrain.data.pack import pillow
 from hpctrain.data.position import PAD
+from hpctrain.data.remote import ShardReader, open_reader
 from hpctrain.data.shard_index import ShardIndex
 from hpctrain.data.workers import WorkerError, in_worker
 
@@ -60,12 +61,19 @@ class ShardDataset(Dataset):
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
         self._fill: Any = None
+        self._reader: ShardReader | None = None  # shards on object storage: this process's ranged reads
 
     def __len__(self) -> int:
         return len(self.index)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_fds": {}}
+        return {**self.__dict__, "_fds": {}, "_reader": None}
+
+    def _remote(self) -> ShardReader:
+        if self._reader is None or self._pid != os.getpid():  # a forked worker: its own connections and threads
+            self._fds, self._pid = {}, os.getpid()
+            self._reader = open_reader(self.index.manifest, self.readahead, self.index.file_bytes)
+        return self._reader
 
     def _fd(self, shard: int) -> int:
         if self._pid != os.getpid():  # a forked worker: never share descriptors with the parent
@@ -87,6 +95,9 @@ class ShardDataset(Dataset):
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def read(self, gid: int) -> dict[str, Any]:
         """The decoded fields of one sample (plus ``__key__``), or CorruptSampleError."""
@@ -94,12 +105,15 @@ class ShardDataset(Dataset):
         shard, start, length = int(ix.shard_of[gid]), int(ix.start[gid]), int(ix.length[gid])
         # never ask for bytes past the end the shard had when opened: a truncated shard under
         # data.on_corrupt=skip reads short (and is skipped) instead of allocating the index's length
-        fd = self._fd(shard)
-        try:
-            data = os.pread(fd, min(length, max(0, ix.file_bytes[shard] - start)), start)
-        except OSError as err:  # EIO of a bad sector; ESPIPE of a shard replaced by a FIFO
-            raise CorruptSampleError(f"{self._where(gid)}: cannot be read: {err.strerror}; hint: hpctrain data "
-                                     f"verify {ix.root}") from err
+        size = self._span(gid)[2]
+        if ix.remote:  # the store's errors (RunError: not answering; UserError: refused) are not the sample's
+            data = self._remote().read(shard, start, size)
+        else:
+            try:
+                data = os.pread(self._fd(shard), size, start)
+            except OSError as err:  # EIO of a bad sector; ESPIPE of a shard replaced by a FIFO
+                raise CorruptSampleError(f"{self._where(gid)}: cannot be read: {err.strerror}; hint: hpctrain data "
+                                         f"verify {ix.root}") from err
         if len(data) != length or zlib.crc32(data) != int(ix.crc[gid]):
             self._raise_corrupt(gid, data)
         sample: dict[str, Any] = {"__key__": ix.keys[gid]}
@@ -111,17 +125,24 @@ class ShardDataset(Dataset):
             raise CorruptSampleError(f"{self._where(gid)}: cannot decode: {err}") from err
         return sample
 
+    def _span(self, gid: int) -> tuple[int, int, int]:
+        """(shard, start, bytes to read) of a sample: never past the end the shard had when opened,
+        so a truncated shard under data.on_corrupt=skip reads short (and is skipped)."""
+        ix = self.index
+        shard, start = int(ix.shard_of[gid]), int(ix.start[gid])
+        return shard, start, min(int(ix.length[gid]), max(0, ix.file_bytes[shard] - start))
+
     def _where(self, gid: int) -> str:
         ix = self.index
-        return f"shard {ix.data_root / ix.shards[int(ix.shard_of[gid])]['name']} sample {ix.keys[gid]!r}"
+        return f"shard {ix.where(int(ix.shard_of[gid]))} sample {ix.keys[gid]!r}"
 
     def _raise_corrupt(self, gid: int, data: bytes) -> None:
         ix, where, length, start = self.index, self._where(gid), int(self.index.length[gid]), int(self.index.start[gid])
         if len(data) != length:
             raise CorruptSampleError(f"{where}: only {len(data)} of {length} bytes at offset {start} (truncated "
-                                     f"shard); hint: hpctrain data verify {ix.root}, re-shard or re-stage; "
+                                     f"shard); hint: hpctrain data verify {ix.place()}, re-shard or re-stage; "
                                      "data.on_corrupt=skip skips")
-        raise CorruptSampleError(f"{where}: CRC-32 mismatch (corrupt bytes); hint: hpctrain data verify {ix.root}; "
+        raise CorruptSampleError(f"{where}: CRC-32 mismatch (corrupt bytes); hint: hpctrain data verify {ix.place()}; "
                                  "data.on_corrupt=skip skips bad samples")
 
     def _read_or_skip(self, gid: int) -> dict[str, Any] | None:
@@ -148,6 +169,8 @@ class ShardDataset(Dataset):
     def packed(self, ids: list[int]) -> PackedBatch:
         """The samples ``ids`` read, decoded and stacked, before the conversion to tensors."""
         real = sorted({g for g in ids if g != PAD}, key=lambda g: (self.index.shard_of[g], self.index.start[g]))
+        if self.index.remote:  # the batch's ranges fetched in parallel, then decoded one by one
+            self._remote().prefetch(self._span(g) for g in real)
         samples = {g: self._read_or_skip(g) for g in real}  # file order within the batch
         rows = [self._convert(samples.get(g)) for g in ids]
         inputs, targets, keys, mask = [], [], [], []

@@ -11,6 +11,7 @@ import numpy as np
 
 from hpctrain.data.errors import ShardError
 from hpctrain.data.manifest import data_dir, load_index, load_manifest, manifest_path
+from hpctrain.data.remote import remote_of, remote_sizes
 
 
 class ShardIndex:
@@ -24,6 +25,9 @@ class ShardIndex:
         self.fields: list[str] = list(self.manifest["fields"])
         self.decode: dict[str, Any] = self.manifest.get("decode") or {}
         self.classes: list[str] = list(self.manifest.get("classes") or [])
+        # shards on object storage: their sizes from one listing, their bytes read by hpctrain.data.remote
+        self.remote = remote_of(self.manifest)
+        self._remote_sizes = remote_sizes(self.manifest) if self.remote else {}
         self._check_present()
         # load_index checks every range (non-negative, inside the declared bytes) and gives int64 arrays
         indexes = [load_index(root, s, self.fields) for s in self.shards]
@@ -35,13 +39,26 @@ class ShardIndex:
         self.crc = np.concatenate([ix["crc32"] for ix in indexes])
         self.offsets = np.concatenate([ix["offsets"] for ix in indexes])
         # what each shard held when opened: a read never asks for more than is there (see ShardDataset.read)
-        self.file_bytes = [(self.data_root / s["name"]).stat().st_size for s in self.shards]
+        self.file_bytes = [self._remote_sizes[s["name"]] if self.remote else (self.data_root / s["name"]).stat().st_size
+                           for s in self.shards]
 
     def __len__(self) -> int:
         return len(self.keys)
 
+    def where(self, shard: int) -> str:
+        """Shard ``shard``'s location, for messages: a path, or its URL on the store."""
+        name = self.shards[shard]["name"]
+        return f"{self.remote[0]}/{name}" if self.remote else str(self.data_root / name)
+
+    def place(self) -> str:
+        """Where the split's data is, for hints (``hpctrain data verify PLACE``)."""
+        return self.remote[0] if self.remote else str(self.root)
+
     def _check_present(self) -> None:
         """A shard the manifest lists but the directory lacks is missing input (not a truncated one)."""
+        if self.remote:
+            self._check_listed()
+            return
         if not self.shards:
             raise ShardError(f"{manifest_path(self.root, self.split)} lists no shards; hint: write the split again "
                              "(`hpctrain data shard` or `hpctrain data index`)")
@@ -57,6 +74,16 @@ class ShardIndex:
             raise ShardError(f"{len(missing)} of the {len(self.shards)} shards that {manifest} lists are missing from "
                              f"{self.data_root}: {shown}; hint: copy them back (or stage the data again), then check "
                              f"with `hpctrain data verify {self.root}`")
+
+    def _check_listed(self) -> None:
+        assert self.remote is not None
+        missing = [s["name"] for s in self.shards if s["name"] not in self._remote_sizes]
+        if missing or not self.shards:
+            shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+            raise ShardError(f"{len(missing)} of the {len(self.shards)} shards that {self.remote[0]}/{self.split}"
+                             f".manifest.json lists are missing from the store: {shown}; hint: upload them again "
+                             f"(hpctrain data shard SOURCE {self.remote[0]}), then `hpctrain data verify "
+                             f"{self.remote[0]}`")
 
     def truncated(self) -> list[tuple[str, str]]:
         """(shard, first sample key past the end) for each shard shorter than its index says."""

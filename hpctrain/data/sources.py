@@ -60,7 +60,7 @@ _SOURCES: dict[str, Source] = {
     "text": Source(pack="hpctrain.data.text:text_pack", pack_arg="PATH", pack_splits=("train", "val")),
     "shakespeare": Source(shards="hpctrain.data.text:shakespeare_shards", pack="hpctrain.data.text:shakespeare_pack",
                           pack_splits=("train", "val"), note="text, sharded on first use"),
-    "shards": Source(shards="hpctrain.data.foreign:shards_root", note="with data.path"),
+    "shards": Source(shards="hpctrain.data.remote:shards_root", note="with data.path"),
 }
 
 

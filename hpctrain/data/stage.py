@@ -36,6 +36,7 @@ from hpctrain.data.manifest import (
     read_regular,
 )
 from hpctrain.data.nodeonce import once_per_node
+from hpctrain.data.remote import download_verified, remote_of
 
 log = logging.getLogger("hpctrain")
 CHUNK = 8 * 2**20
@@ -174,14 +175,19 @@ def copy_split(source: Path, target: Path, split: str) -> dict[str, dict[str, An
     tars = data_dir(source, manifest)
     files: dict[str, dict[str, Any]] = {}
     for shard in manifest["shards"]:
-        files[shard["name"]] = copy_verified(tars / shard["name"], target / shard["name"], shard["sha256"],
-                                             size=shard["bytes"])
+        if remote_of(manifest):  # shards on object storage: downloaded, sha256-checked, into the node-local cache
+            files[shard["name"]] = download_verified(manifest, shard, target / shard["name"])
+        else:
+            files[shard["name"]] = copy_verified(tars / shard["name"], target / shard["name"], shard["sha256"],
+                                                 size=shard["bytes"])
         index = Path(shard["index"]).name
         index_sha = shard.get("index_sha256")  # optional: older manifests lack it
         files[index] = copy_verified(source / shard["index"], target / index,
                                      index_sha if isinstance(index_sha, str) else None, limit=MAX_JSON_BYTES)
-    if "data_dir" in manifest or any(Path(s["index"]).is_absolute() for s in manifest["shards"]):
+    moved = "data_dir" in manifest or "remote" in manifest
+    if moved or any(Path(s["index"]).is_absolute() for s in manifest["shards"]):
         manifest.pop("data_dir", None)
+        manifest.pop("remote", None)  # the staged copy is read locally
         manifest["shards"] = [{**s, "index": Path(s["index"]).name} for s in manifest["shards"]]
         atomic_write_bytes(target / path.name, json.dumps(manifest, indent=1).encode())
         st = (target / path.name).stat()

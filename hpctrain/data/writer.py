@@ -78,7 +78,12 @@ class ShardWriter:
     """
 
     def __init__(self, root: str | Path, split: str, *, samples_per_shard: int | None = None,
-                 max_bytes: int | None = None, meta: dict[str, Any] | None = None) -> None:
+                 max_bytes: int | None = None, meta: dict[str, Any] | None = None,
+                 on_file: Callable[[Path, str], None] | None = None) -> None:
+        """``on_file(path, name)``: called for each finished file (tar, then its index; the manifest
+        last), e.g. to upload it to object storage and remove the local copy."""
+        self.on_file = on_file
+        self.manifest: dict[str, Any] = {}
         if samples_per_shard is None and max_bytes is None:
             max_bytes = 256 * 2**20
         bad_count = samples_per_shard is not None and samples_per_shard <= 0
@@ -149,6 +154,9 @@ class ShardWriter:
         index_bytes = json.dumps(index, separators=(",", ":")).encode()
         atomic_write_bytes(self.root / index_name(cur.name), index_bytes)
         replace_durably(cur.tmp, self.root / cur.name)  # the shard appears only when whole
+        if self.on_file is not None:
+            self.on_file(self.root / cur.name, cur.name)
+            self.on_file(self.root / index_name(cur.name), index_name(cur.name))
         self.done.append({"name": cur.name, "samples": len(cur.keys), "bytes": cur.size,
                           "sha256": cur.sha.hexdigest(), "index": index_name(cur.name),
                           "index_sha256": hashlib.sha256(index_bytes).hexdigest()})
@@ -180,21 +188,27 @@ class ShardWriter:
             raise ShardError(f"no samples were written to {self.root} (split {self.split}); is the source empty?")
         manifest = {"format": FORMAT, "version": VERSION, "split": self.split, "fields": self.fields,
                     "total_samples": self.count, **self.meta, "shards": self.done}
+        self.manifest = manifest
         with self._output():
             atomic_write_bytes(manifest_path(self.root, self.split), json.dumps(manifest, indent=1).encode())
+        if self.on_file is not None:  # last: a reader sees the manifest only once every shard is there
+            path = manifest_path(self.root, self.split)
+            self.on_file(path, path.name)
         return manifest
 
 
 def write_shards(samples: Iterable[tuple[str, dict[str, bytes]]], root: str | Path, split: str, *,
                  samples_per_shard: int | None = None, max_bytes: int | None = None,
-                 meta: dict[str, Any] | None = None, progress: Callable[[int], object] | None = None) -> dict[str, Any]:
+                 meta: dict[str, Any] | None = None, progress: Callable[[int], object] | None = None,
+                 on_file: Callable[[Path, str], None] | None = None) -> dict[str, Any]:
     """Write an iterable of (key, {ext: bytes}) as shards; returns the manifest."""
-    with ShardWriter(root, split, samples_per_shard=samples_per_shard, max_bytes=max_bytes, meta=meta) as writer:
+    with ShardWriter(root, split, samples_per_shard=samples_per_shard, max_bytes=max_bytes, meta=meta,
+                     on_file=on_file) as writer:
         for key, fields in samples:
             writer.write(key, fields)
             if progress is not None:
                 progress(1)
-    return json.loads(manifest_path(root, split).read_text())
+    return json.loads(json.dumps(writer.manifest))  # as a reader of the manifest file sees it
 
 
 def parse_size(text: str) -> int:

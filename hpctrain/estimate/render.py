@@ -105,11 +105,26 @@ def _memory(m: dict[str, Any]) -> list[str]:
     if m["pipeline"]:
         lines.append(_line("pipeline stages (layers)", _stages(m["pipeline"])))
     lines.append(_line("smallest strategy that fits", fit))
-    if m["selected"]:
+    if m["selected"] in rows and not m.get("declared"):  # with a shape the declared line below says it
         row = rows[m["selected"]]
         verdict = "fits" if row["fits"] else "does NOT fit"
         lines.append(_line(f"--strategy {m['selected']}", f"{size(row['total'])} per GPU: {verdict}"))
-    return lines
+    return lines + _declared(m.get("declared"))
+
+
+def _declared(d: dict[str, Any] | None) -> list[str]:
+    """The selected strategy's declared memory (hpctrain.estimate.strategy_memory), part by part."""
+    if d is None:
+        return []
+    name = d["strategy"] + (f" stage {d['deepspeed_stage']}" if d["deepspeed_stage"] else "")
+    parts = [("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer"),
+             ("gathered", "gathered"), ("pipeline-held", "pipeline_held"), ("activations", "activations"),
+             ("recomputed block", "recomputed"), ("buffers", "transient")]
+    shown = ", ".join(f"{label} {size(d[key])}" for label, key in parts if d[key])
+    offload = f"; {size(d['offloaded'])} in host memory" if d["offloaded"] else ""
+    verdict = "fits" if d["fits"] else "does NOT fit"
+    return [_line(f"declared ({name}, {d['attention']} attention)",
+                  f"{size(d['total'])} per GPU ({verdict}): {shown}{offload}")]
 
 
 def _stages(pipe: dict[str, Any]) -> str:

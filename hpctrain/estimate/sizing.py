@@ -7,9 +7,13 @@ from typing import Any
 
 from hpctrain.core.errors import UserError
 from hpctrain.core.topology import Topology
-from hpctrain.estimate import activations, flops, gpu_memory, reliability
+from hpctrain.estimate import activations, flops, gpu_memory, reliability, strategy_memory
 from hpctrain.estimate.model import TransformerShape, stage_layers, stage_params
 from hpctrain.telemetry.accelerators import PRECISIONS, Accelerator
+
+# --strategy names the table has no row for, that only the declaration sizes; and the table's ZeRO stages
+DECLARED_ONLY = ("hsdp", "deepspeed")
+_DECLARED = {"zero2": ("deepspeed", 2), "zero3": ("deepspeed", 3)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +45,17 @@ class Inputs:
     seq_len_known: bool = True
     seq_len_source: str = ""  # where the shape's sequence length came from, for the report
     warnings: tuple[str, ...] = ()  # the caller's, carried into the report (a sequence length taken by default)
+    # what the strategy declares (hpctrain.estimate.strategy_memory): accumulation, pipeline depth, the kernels
+    grad_accum: int = 1
+    microbatches: int | None = None  # pipeline micro-batches per step; None: pp (the fewest that fill 1F1B)
+    pp_schedule: str = "1f1b"
+    attention: str = "flash"
+    loss_parallel: bool = False
+    vocab_parallel: bool = True
+    deepspeed_stage: int = 2
+    dp_replicate: int = 1  # hsdp: replicas (the shards are dp / dp_replicate)
+    cpu_offload: bool = False
+    reduce_every_microstep: bool = True
 
     def __post_init__(self) -> None:
         _positive(("--params", self.params), ("--gpus", self.gpus), ("--tp", self.tp), ("--pp", self.pp),
@@ -56,8 +71,11 @@ class Inputs:
         if self.precision not in PRECISIONS:
             raise UserError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         self.gpu.peak_flops(self.precision)  # fails on a precision the chip cannot run (fp8 on A100)
-        if self.strategy is not None:
+        if self.strategy is not None and self.strategy not in DECLARED_ONLY:
             gpu_memory.check_strategy(self.strategy)
+        _positive(("--grad-accum", self.grad_accum), ("--dp-replicate", self.dp_replicate))
+        if self.microbatches is not None:
+            _positive(("--microbatches", self.microbatches))
         if self.gpus % (self.tp * self.pp):
             raise UserError(f"--tp {self.tp} x --pp {self.pp} = {self.tp * self.pp} does not divide --gpus "
                             f"{self.gpus}; data parallelism needs gpus = dp x tp x pp")
@@ -80,7 +98,11 @@ class Inputs:
     @property
     def topology(self) -> Topology:
         """The layout estimated (expert parallelism takes its ranks from data parallelism)."""
-        return Topology(pp=self.pp, dp_shard=self.gpus // (self.tp * self.pp), tp=self.tp, ep=self.ep)
+        dp = self.gpus // (self.tp * self.pp)
+        if dp % self.dp_replicate:
+            raise UserError(f"--dp-replicate {self.dp_replicate} must divide the data-parallel degree {dp}")
+        return Topology(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=dp // self.dp_replicate, tp=self.tp,
+                        ep=self.ep)
 
     @property
     def dp(self) -> int:
@@ -97,6 +119,11 @@ class Inputs:
         if self.shape is None:
             return self.params
         return self.params * (self.shape.active_params - self.shape.lookup_params) / self.shape.params
+
+
+def _legacy(recompute: str) -> str:
+    """The table's (Korthikanti's) recompute mode: torchtitan's op-level selective as selective."""
+    return "selective" if recompute == "selective_op" else recompute
 
 
 def _positive(*pairs: tuple[str, float]) -> None:
@@ -151,7 +178,11 @@ def _inputs(inp: Inputs) -> dict[str, Any]:
             "sequence_parallel": inp.sequence_parallel, "precision": inp.precision, "amp_layout": inp.amp_layout,
             "mfu": None if inp.hfu is not None else inp.mfu, "hfu": inp.hfu, "micro_batch": inp.micro_batch,
             "activation_checkpointing": inp.recompute, "gpu_mtbf_hours": inp.gpu_mtbf_hours,
-            "mtbf_source": inp.mtbf_source, "ckpt_bandwidth_gbps": inp.ckpt_gbps}
+            "mtbf_source": inp.mtbf_source, "ckpt_bandwidth_gbps": inp.ckpt_gbps, "grad_accum": inp.grad_accum,
+            "microbatches": inp.microbatches, "pp_schedule": inp.pp_schedule, "attention": inp.attention,
+            "loss_parallel": inp.loss_parallel, "vocab_parallel": inp.vocab_parallel,
+            "deepspeed_stage": inp.deepspeed_stage, "dp_replicate": inp.dp_replicate, "cpu_offload": inp.cpu_offload,
+            "reduce_every_microstep": inp.reduce_every_microstep}
 
 
 def _assumptions(inp: Inputs, layout: gpu_memory.StateLayout) -> dict[str, str]:
@@ -197,7 +228,7 @@ def _compute(inp: Inputs) -> dict[str, Any] | None:
     if counted is not None:  # a full recompute runs the forward again: about a third of forward+backward
         hardware = model * (4 / 3 if inp.recompute == "full" else 1)
     else:
-        hardware = model + flops.recompute_flops(inp.shape, inp.active_params, inp.tokens, inp.recompute)
+        hardware = model + flops.recompute_flops(inp.shape, inp.active_params, inp.tokens, _legacy(inp.recompute))
     peak = inp.gpu.peak_flops(inp.precision)
     if inp.hfu is not None:
         hfu, mfu, util_from = inp.hfu, inp.hfu * model / hardware, "--hfu"
@@ -242,7 +273,7 @@ def _stages(inp: Inputs) -> tuple[list[_Stage], str]:
     method = "unknown: give --seq-len (activations grow with the sequence)"
     if inp.seq_len_known:
         acts = list(activations.stage_bytes(shape, inp.micro_batch, tp=inp.tp, pp=inp.pp,
-                                            sequence_parallel=inp.sequence_parallel, recompute=inp.recompute,
+                                            sequence_parallel=inp.sequence_parallel, recompute=_legacy(inp.recompute),
                                             element_bytes=e))
         method = "Korthikanti et al. 2022 (transformer shape)"
     expert_layer = shape.experts * shape.expert_params if shape.experts > 1 else 0
@@ -261,6 +292,35 @@ def _largest(inp: Inputs, strategy: str, layout: gpu_memory.StateLayout,
     return max(rows, key=lambda row: row[0].total)
 
 
+def declared_inputs(inp: Inputs) -> strategy_memory.MemoryInputs | None:
+    """What the selected strategy (fsdp when none is) declares for this estimate: it needs a shape
+    and its sequence length. The table's zero2 / zero3 are DeepSpeed's stages."""
+    if inp.shape is None or not inp.seq_len_known:
+        return None
+    strategy, stage = _DECLARED.get(inp.strategy or "fsdp", (inp.strategy or "fsdp", inp.deepspeed_stage))
+    return strategy_memory.MemoryInputs(
+        shape=inp.shape, topology=inp.topology, strategy=strategy, deepspeed_stage=stage, precision=inp.precision,
+        amp_layout=inp.amp_layout, micro_batch=inp.micro_batch, grad_accum=inp.grad_accum,
+        reduce_every_microstep=inp.reduce_every_microstep, cpu_offload=inp.cpu_offload, recompute=inp.recompute,
+        sequence_parallel=inp.sequence_parallel, microbatches=inp.microbatches or inp.pp, pp_schedule=inp.pp_schedule,
+        attention=inp.attention, params=inp.params, vocab_parallel=inp.vocab_parallel,
+        loss_parallel=inp.loss_parallel)
+
+
+def _declared(inp: Inputs) -> dict[str, Any] | None:
+    declared = declared_inputs(inp)
+    if declared is None:
+        return None
+    stages = strategy_memory.stage_memory(declared)
+    largest = max(stages, key=lambda m: m.total)
+    return {"strategy": declared.strategy, "deepspeed_stage": declared.deepspeed_stage if
+            declared.strategy == "deepspeed" else None, "attention": declared.attention,
+            "grad_accum": declared.grad_accum, "microbatches": declared.microbatches if inp.pp > 1 else None,
+            "pp_schedule": declared.pp_schedule if inp.pp > 1 else None, "loss_parallel": declared.loss_parallel,
+            **largest.as_dict(), "fits": largest.total <= inp.gpu.memory_bytes,
+            "stages": [m.total for m in stages]}
+
+
 def _memory(inp: Inputs, layout: gpu_memory.StateLayout) -> dict[str, Any]:
     stages, method = _stages(inp)
     largest = {s: _largest(inp, s, layout, stages) for s in gpu_memory.STRATEGIES}
@@ -268,7 +328,7 @@ def _memory(inp: Inputs, layout: gpu_memory.StateLayout) -> dict[str, Any]:
     capacity = inp.gpu.memory_bytes
     pipeline = None
     if inp.shape is not None and inp.pp > 1:
-        st = largest[inp.strategy or gpu_memory.smallest_fit(rows, capacity) or "ddp"][1]
+        st = largest[inp.strategy if inp.strategy in largest else gpu_memory.smallest_fit(rows, capacity) or "ddp"][1]
         pipeline = {"stage_layers": [s.layers for s in stages], "largest_stage": st.index,
                     "largest_stage_layers": st.layers}
     return {"layout": layout.name, "bytes_per_param": layout.weights + layout.grads + layout.optimizer,
@@ -276,7 +336,8 @@ def _memory(inp: Inputs, layout: gpu_memory.StateLayout) -> dict[str, Any]:
             "activations_method": method, "pipeline": pipeline,
             "strategies": {s: {**b.as_dict(), "fits": b.total <= capacity, "stage": largest[s][1].index}
                            for s, b in rows.items()},
-            "selected": inp.strategy, "smallest_fit": gpu_memory.smallest_fit(rows, capacity)}
+            "selected": inp.strategy, "smallest_fit": gpu_memory.smallest_fit(rows, capacity),
+            "declared": _declared(inp)}
 
 
 def _checkpointing(inp: Inputs, layout: gpu_memory.StateLayout) -> dict[str, Any]:

@@ -14,9 +14,10 @@ merged once, within each dp group, instead of once per tp rank.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ class EvalResult:
     metrics: dict[str, Any]
     seconds: float
     predictions: list[dict[str, Any]] = field(default_factory=list)
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # a mixture's (data.mix): label -> metrics
 
     @property
     def samples_per_s(self) -> float:
@@ -56,7 +58,12 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
     """Run ``metrics`` over ``loader`` on every rank and return the global values on every rank.
     ``task`` (default: classification) runs the forward and turns it into per-target losses.
     ``group``: the data-parallel replicas this rank merges with (None: every rank holds its own
-    shard); every rank of the world calls this, each with its own dp group."""
+    shard); every rank of the world calls this, each with its own dp group. A mixture's loader
+    (``loader.sources``): each source's metrics too (:func:`evaluate_sources`)."""
+    if getattr(loader, "sources", None):
+        return evaluate_sources(lambda part, mine: evaluate(model, part, mine, env, device, precision,
+                                                            collect_predictions, task, group),
+                                loader.sources, metrics)  # type: ignore[attr-defined]
     task = task or Classification()
     start = time.perf_counter()
     # the wrapper's own view (registered by the strategy that made it): DDP's syncs its buffers to
@@ -81,6 +88,31 @@ def evaluate(model: nn.Module, loader: EvalBatches, metrics: Sequence[Metric], e
     merged = _merge(metrics, env, group)
     gathered = gather_predictions(predictions, env, group) if collect_predictions else []
     return EvalResult(merged, time.perf_counter() - start, gathered)
+
+
+def evaluate_sources(run: Callable[[EvalBatches, list[Metric]], EvalResult], sources: Sequence[tuple[str, EvalBatches]],
+                     metrics: Sequence[Metric]) -> EvalResult:
+    """``run`` (an evaluation loop) over each source's loader with copies of ``metrics``; the
+    total is their merged states (sums and counts: the numbers of one pass over all sources).
+    Metrics: the total's keys, plus ``KEY/LABEL`` per source (``loss/web``); ``sources``: label -> metrics."""
+    per_source: dict[str, dict[str, Any]] = {}
+    states: list[list[dict[str, torch.Tensor]]] = []
+    seconds, predictions = 0.0, []
+    for label, loader in sources:
+        mine = copy.deepcopy(list(metrics))
+        res = run(loader, mine)
+        per_source[label] = res.metrics
+        states.append([m.states for m in mine])
+        seconds += res.seconds
+        predictions += [{**row, "source": label} for row in res.predictions]
+    total: dict[str, Any] = {}
+    for index, metric in enumerate(metrics):
+        metric.reset()
+        metric.merge([source_states[index] for source_states in states])
+        total.update(metric.compute())
+    flat = {f"{key}/{label}": value for label, values in per_source.items() for key, value in values.items()
+            if isinstance(value, (int, float))}
+    return EvalResult({**total, **flat}, seconds, predictions, per_source)
 
 
 def sum_over_ranks(*values: float) -> tuple[Any, ...]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hpctrain.config import Config
+from hpctrain.config.mix import data_text
 from hpctrain.core import env as cluster
 from hpctrain.core.atomic import write_json
 from hpctrain.core.errors import HpctrainError, UserError, agree
@@ -65,7 +66,7 @@ def run_eval(cfg: Config, weights: Path, out_dir: Path | None = None, prediction
         result = evaluate(model.to(device), loader, metrics, env, device,
                           Precision(cfg.precision, device), collect_predictions=predictions, task=task)
         report = {**result.metrics, "samples_per_s": result.samples_per_s, "world_size": env.world_size,
-                  "weights": str(weights), "split": cfg.data.val_split, "data": cfg.data.name, "task": task.name}
+                  "weights": str(weights), "split": cfg.data.val_split, "data": data_text(cfg.data), "task": task.name}
         target = out_dir or weights.parent
         rows = named_predictions(result.predictions, loader) if predictions else None
         agree("writing the eval results", lambda: _write(report, rows, target) if env.is_main else None)

@@ -25,7 +25,7 @@ from torch import nn
 from hpctrain.core.env import ClusterEnv
 from hpctrain.data import EvalBatches
 from hpctrain.data.batch import Batch, main_input, map_inputs
-from hpctrain.evaluation.evaluate import EvalResult, lockstep
+from hpctrain.evaluation.evaluate import EvalResult, evaluate_sources, lockstep
 from hpctrain.precision import Precision
 from hpctrain.tasks import Task
 from hpctrain.tasks.metrics import Metric
@@ -82,7 +82,11 @@ def evaluate_pipeline(step: Stages, loader: EvalBatches, metrics: Sequence[Metri
     """``metrics`` over ``loader`` (this data-parallel replica's share) through the stages;
     the merged, global values on every rank. Every rank calls it. ``leader``: this rank counts
     its stage's outputs; False on all but one tensor-parallel rank of a stage, whose outputs
-    are the same."""
+    are the same. A mixture's loader (``loader.sources``): each source's metrics too."""
+    if getattr(loader, "sources", None):
+        return evaluate_sources(lambda part, mine: evaluate_pipeline(step, part, mine, env, device, precision,
+                                                                     task=task, batch_size=batch_size, leader=leader),
+                                loader.sources, metrics)  # type: ignore[attr-defined]
     start = time.perf_counter()
     size = padded_size(batch_size, step.microbatches)
     was_training = [m.training for m in step.modules]

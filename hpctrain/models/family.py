@@ -12,7 +12,9 @@ A :class:`ModelFamily` holds
   sequence_parallel in each block, the vocabulary-parallel ends, the heads tp must divide);
 * ``pipeline_split``: a :class:`PipelineSplit` (the blocks, what only the first and last stage
   hold, and the stage module that runs a cut model);
-* ``blocks``: the repeated layers, the units of FSDP and of activation checkpointing.
+* ``blocks``: the repeated layers, the units of FSDP and of activation checkpointing;
+* ``context_parallel``: makes a built model compute its share of each sequence over a
+  :class:`~hpctrain.models.attention.SequenceSplit` (``parallel.cp``; None: the family has no cp).
 
 Built in: ``gpt``, ``llama`` (hpctrain's), ``hf-llama`` (Hugging Face ``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``: :mod:`hpctrain.models.hf_llama`) and ``default``,
@@ -32,8 +34,10 @@ from torch import nn
 from hpctrain.config.model import ModelConfig
 from hpctrain.core.section import load_import_path
 from hpctrain.models import hf_llama
+from hpctrain.models.attention import SequenceSplit, use_split
 from hpctrain.models.gpt import GPT, build_gpt
-from hpctrain.models.llama import Llama, LlamaShape, build_llama
+from hpctrain.models.llama import Llama, LlamaShape, build_llama, moe_shape
+from hpctrain.models.moe import ExpertPlan, moe_expert_plan
 from hpctrain.models.shape import TransformerShape
 from hpctrain.models.user import ModelError
 
@@ -150,12 +154,20 @@ class ModelFamily:
     tensor_plan: Callable[[nn.Module], TensorPlan | None] | None = None
     pipeline_split: Callable[[nn.Module], PipelineSplit | None] | None = None
     blocks: Callable[[nn.Module], list[nn.Module] | None] = layout_blocks
+    # parallel.ep: the model's mixture-of-experts layers (hpctrain.models.moe; hpctrain.parallel.expert applies it)
+    expert_plan: Callable[[nn.Module], ExpertPlan | None] | None = None
+    # parallel.cp: make the model compute its share of each sequence over a split (None: no cp;
+    # hpctrain.parallel.context applies it; gpt and llama: hpctrain.models.attention.use_split)
+    context_parallel: Callable[[nn.Module, SequenceSplit], None] | None = None
 
     def tensor_plan_of(self, model: nn.Module) -> TensorPlan | None:
         return self.tensor_plan(model) if self.tensor_plan is not None else None
 
     def pipeline_split_of(self, model: nn.Module) -> PipelineSplit | None:
         return self.pipeline_split(model) if self.pipeline_split is not None else None
+
+    def expert_plan_of(self, model: nn.Module) -> ExpertPlan | None:
+        return self.expert_plan(model) if self.expert_plan is not None else None
 
 
 # ---------------------------------------------------------------- the `blocks` layout (gpt, llama, users')
@@ -195,7 +207,7 @@ def gpt_shape(cfg: ModelConfig) -> TransformerShape:
 def llama_shape(cfg: ModelConfig) -> TransformerShape:
     return LlamaShape(vocab=cfg.vocab or 256, seq_len=cfg.seq_len, n_layers=cfg.n_layers, hidden=cfg.hidden,
                       heads=cfg.heads, kv_heads=cfg.kv_heads, ffn_hidden=cfg.ffn_hidden,
-                      tie_weights=cfg.tie_weights).transformer()
+                      tie_weights=cfg.tie_weights, moe=moe_shape(cfg)).transformer()
 
 
 def _instance_of(kind: type[nn.Module]) -> Callable[[nn.Module], bool]:
@@ -203,8 +215,10 @@ def _instance_of(kind: type[nn.Module]) -> Callable[[nn.Module], bool]:
 
 
 DEFAULT = ModelFamily("default", tensor_plan=blocks_tensor_plan, pipeline_split=blocks_pipeline_split)
-GPT_FAMILY = replace(DEFAULT, name="gpt", matches=_instance_of(GPT), build=build_gpt, shape=gpt_shape)
-LLAMA_FAMILY = replace(DEFAULT, name="llama", matches=_instance_of(Llama), build=build_llama, shape=llama_shape)
+GPT_FAMILY = replace(DEFAULT, name="gpt", matches=_instance_of(GPT), build=build_gpt, shape=gpt_shape,
+                     context_parallel=use_split)
+LLAMA_FAMILY = replace(DEFAULT, name="llama", matches=_instance_of(Llama), build=build_llama, shape=llama_shape,
+                       expert_plan=moe_expert_plan, context_parallel=use_split)
 
 
 # ---------------------------------------------------------------- Hugging Face Llama, Mistral, Qwen2
@@ -220,7 +234,7 @@ def _hf_or_stage(model: nn.Module) -> bool:
 
 
 HF_LLAMA_FAMILY = ModelFamily("hf-llama", matches=_hf_or_stage, tensor_plan=lambda _model: HF_TENSOR_PLAN,
-                              pipeline_split=lambda _model: HF_PIPELINE_SPLIT)
+                              pipeline_split=lambda _model: HF_PIPELINE_SPLIT, context_parallel=hf_llama.use_split)
 
 
 # ---------------------------------------------------------------- the registry

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.config.model import ModelConfig
+from hpctrain.models.attention import AttentionContext, attend, prepare, split_of
 from hpctrain.models.user import ModelError
 
 INIT_STD = 0.02  # GPT-2's initializer range
@@ -69,12 +70,12 @@ class Attention(nn.Module):
         self.o = nn.Linear(hidden, hidden)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: the local head count, which tensor parallelism divides
         q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        # documents and context parallel: hpctrain.models.attention (plain causal SDPA without them)
+        y = attend(q, k, v, ctx, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.o(y.transpose(1, 2).reshape(b, t, -1)))
 
 
@@ -96,8 +97,11 @@ class Block(nn.Module):
         self.ln1, self.attn = nn.LayerNorm(hidden), Attention(hidden, heads, dropout)
         self.ln2, self.mlp = nn.LayerNorm(hidden), MLP(hidden, dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
+        # one positional input unless there is a context: tensor parallel's PrepareModuleInput
+        # (sequence parallel) declares the attention's inputs, one layout per positional argument
+        h = self.ln1(x)
+        x = x + (self.attn(h) if attn is None else self.attn(h, attn))
         return x + self.mlp(self.ln2(x))
 
 
@@ -138,24 +142,29 @@ class GPT(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens -> logits. A pipeline stage (hpctrain.parallel.pipeline) sets the top-level
         parts it does not hold to None: a later stage takes hidden states instead of tokens,
-        an earlier one returns hidden states instead of logits."""
-        x = tokens if self.tok_emb is None else self._embed(tokens)
+        an earlier one returns hidden states instead of logits. ``doc_ids`` (B, T): packed
+        documents, attended and positioned each on its own (hpctrain.models.attention). Under
+        context parallel the logits are those of this rank's chunks of the sequence."""
+        x, ctx = (tokens, None) if self.tok_emb is None else self._embed(tokens, doc_ids)
         for block in self.blocks:
-            x = block(x)
+            # the context as a keyword only when there is one: a plain forward calls blocks as before
+            x = block(x) if ctx is None else block(x, attn=ctx)
         if self.ln_f is not None:
             x = self.ln_f(x)
         return x if self.head is None else self.head(x)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None
+               ) -> tuple[torch.Tensor, AttentionContext | None]:
         t = tokens.shape[1]
         if t > self.shape.seq_len:
             raise ValueError(f"a sequence of {t} tokens is longer than the model's seq_len ({self.shape.seq_len}); "
                              "hint: raise model.seq_len or shard the text with a shorter --seq-len")
-        positions = torch.arange(t, device=tokens.device)
-        return self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        tokens, ctx = prepare(tokens, doc_ids, split_of(self))  # this rank's tokens, their positions
+        positions = torch.arange(t, device=tokens.device) if ctx is None else ctx.positions
+        return self.drop(self.tok_emb(tokens) + self.pos_emb(positions)), ctx
 
 
 def build_gpt(num_classes: int = 256, *, config: ModelConfig | None = None,

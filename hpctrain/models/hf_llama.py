@@ -9,13 +9,23 @@ modules): ``model.embed_tokens``, ``model.layers`` of decoder layers (``self_att
 ``model.norm``, ``model.rotary_emb`` (no parameters) and ``lm_head``. The attention reshapes
 with ``view(*shape, -1, head_dim)``, so a rank holding ``heads / tp`` query and ``kv_heads / tp``
 key/value heads runs the same code on its shard; rotary positions are per head, untouched.
-No ``transformers`` import here: the classes are matched by name.
+No ``transformers`` import here: the classes are matched by name (context parallel imports it
+when applied: a Hugging Face model is there).
+
+Context parallel (:func:`use_split`): the attention layers run :func:`split_attention`, an
+attention function registered with ``transformers``' ``AttentionInterface`` that gathers the keys
+and values over the split (hpctrain.models.attention), and a forward pre-hook keeps this rank's
+chunks of the input ids with their global ``position_ids`` (rotary positions per chunk).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+from hpctrain.models.attention import SPLIT_ATTR, AttentionContext, SequenceSplit, attend, prepare
 
 CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -77,3 +87,66 @@ class CausalLMStage(nn.Module):
         t = hidden.shape[1]
         blocked = torch.full((t, t), torch.finfo(hidden.dtype).min, device=hidden.device, dtype=hidden.dtype)
         return blocked.triu(1)[None, None]
+
+
+# ---------------------------------------------------------------- context parallel
+
+ATTENTION = "hpctrain_context"  # the attention implementation context parallel registers in transformers
+
+
+def use_split(model: nn.Module, split: SequenceSplit) -> None:
+    """Make a Llama-family model compute this rank's chunks of each sequence over ``split``."""
+    from transformers import AttentionInterface  # optional dependency: only a Hugging Face model gets here
+
+    AttentionInterface.register(ATTENTION, split_attention)
+    for module in model.modules():
+        if hasattr(module, "q_proj") and hasattr(module, "head_dim"):  # an attention layer
+            setattr(module, SPLIT_ATTR, split)
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(ATTENTION)
+    else:  # an older transformers: the config's attribute is what the layers read
+        model.config._attn_implementation = ATTENTION  # type: ignore[union-attr]
+    model.register_forward_pre_hook(LocalChunks(split), with_kwargs=True)
+
+
+def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    **_kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface: causal attention of this rank's queries over the
+    split's gathered keys and values (no split, or on meta: over the whole sequence). Its mask
+    (padding) is None: transformers builds none for an implementation it has no mask function for,
+    and right padding is never attended by a real token under the causal mask."""
+    split: SequenceSplit | None = getattr(module, SPLIT_ATTR, None)
+    ctx = None
+    if split is not None and query.device.type != "meta":
+        mine = split.indices(query.shape[2] * split.size, query.device)[0]
+        ctx = AttentionContext(mine, split=split)
+    out = attend(query, key, value, ctx, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class LocalChunks:
+    """A forward pre-hook: the input ids (and padding mask) of this rank's chunks, with their global
+    ``position_ids``. An object, not a closure: the model still pickles."""
+
+    def __init__(self, split: SequenceSplit) -> None:
+        self.split = split
+
+    def __call__(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        ids = args[0] if args else kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.device.type == "meta":
+            return None
+        local, ctx = prepare(ids, None, self.split)
+        assert ctx is not None  # a split always gives a context
+        kwargs = {**kwargs, "position_ids": ctx.positions[None].expand(ids.shape[0], -1)}
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            kwargs["attention_mask"] = self.split_mask(mask)
+        if args:
+            return (local, *args[1:]), kwargs
+        return args, {**kwargs, "input_ids": local}
+
+    def split_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask.index_select(1, self.split.indices(mask.shape[1], mask.device)[0])

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.config.model import ModelConfig
+from hpctrain.models.attention import AttentionContext, attend, prepare, split_of
 from hpctrain.models.gpt import INIT_STD, check_output, token_vocab
+from hpctrain.models.moe import Experts, MoE, MoEShape, collect_aux_loss
 from hpctrain.models.shape import TransformerShape, llama_ffn
 
 ROPE_THETA = 10_000.0  # Llama 2's rotary base
@@ -50,6 +52,7 @@ class LlamaShape:
     kv_heads: int | None = None
     ffn_hidden: int | None = None
     tie_weights: bool = True
+    moe: MoEShape | None = None  # a mixture of experts in place of each block's MLP
 
     def __post_init__(self) -> None:
         for name in ("vocab", "seq_len", "n_layers", "hidden", "heads", "kv", "ffn"):
@@ -76,7 +79,8 @@ class LlamaShape:
         return TransformerShape(layers=self.n_layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len,
                                 vocab=self.vocab, kv_heads=self.kv, ffn_hidden=self.ffn, mlp="swiglu",
                                 tied=self.tie_weights, positions="rotary", norm="rmsnorm", bias="none",
-                                dropout=False)
+                                dropout=False, experts=self.moe.experts if self.moe else 1,
+                                top_k=self.moe.top_k if self.moe else 1)
 
     @property
     def params(self) -> int:
@@ -85,14 +89,22 @@ class LlamaShape:
 
 def rotary_angles(length: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x frequency, ``(length, head_dim / 2)`` in fp32 (RoFormer's angles)."""
-    inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)
+    return rotary_at(torch.arange(length, device=device), head_dim)
+
+
+def rotary_at(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin at ``positions`` ``(T,)`` or ``(B, T)`` (a context-parallel rank's chunks, positions
+    within packed documents): ``(*positions.shape, head_dim / 2)`` in fp32."""
+    inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``(B, heads, T, head_dim)`` by position: feature i pairs with i + head_dim/2 (the
     Hugging Face Llama layout, so its q/k weights load unpermuted), in fp32, back in x's dtype."""
+    if cos.dim() == 3:  # per-sample positions (B, T, .): the same for every head
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     first, second = x.float().chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1).type_as(x)
 
@@ -107,14 +119,15 @@ class Attention(nn.Module):
         self.q, self.o = nn.Linear(s.hidden, s.hidden, bias=False), nn.Linear(s.hidden, s.hidden, bias=False)
         self.k, self.v = nn.Linear(s.hidden, kv_width, bias=False), nn.Linear(s.hidden, kv_width, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: the local head counts, which tensor parallelism divides
         q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        cos, sin = rotary_angles(t, self.head_dim, q.device)
+        # positions 0..T-1, or a context-parallel rank's chunks', or restarting at each packed document
+        cos, sin = rotary_angles(t, self.head_dim, q.device) if ctx is None else rotary_at(ctx.positions, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # SDPA shares each K/V head with its group of query heads (no repeated copy in memory)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        y = attend(q, k, v, ctx)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -130,16 +143,26 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+def mlp(s: LlamaShape) -> nn.Module:
+    """The block's MLP: SwiGLU, or a mixture of SwiGLU experts (hpctrain.models.moe) when ``s.moe``."""
+    if s.moe is None:
+        return SwiGLU(s.hidden, s.ffn)
+    return MoE(s.hidden, s.ffn, s.moe, shared=SwiGLU(s.hidden, s.ffn) if s.moe.shared_expert else None)
+
+
 class Block(nn.Module):
     """Pre-norm: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
 
     def __init__(self, s: LlamaShape) -> None:
         super().__init__()
         self.norm1, self.attn = nn.RMSNorm(s.hidden, eps=NORM_EPS), Attention(s)
-        self.norm2, self.mlp = nn.RMSNorm(s.hidden, eps=NORM_EPS), SwiGLU(s.hidden, s.ffn)
+        self.norm2, self.mlp = nn.RMSNorm(s.hidden, eps=NORM_EPS), mlp(s)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
+        # one positional input unless there is a context: tensor parallel's PrepareModuleInput
+        # (sequence parallel) declares the attention's inputs, one layout per positional argument
+        h = self.norm1(x)
+        x = x + (self.attn(h) if attn is None else self.attn(h, attn))
         return x + self.mlp(self.norm2(x))
 
 
@@ -172,18 +195,30 @@ class Llama(nn.Module):
                 nn.init.ones_(module.weight)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, INIT_STD)
+            elif isinstance(module, Experts):  # w_down is a residual projection, like down
+                module.reset_parameters(INIT_STD, residual_std)
             elif isinstance(module, nn.Linear) and not (module is self.head and self.shape.tie_weights):
                 nn.init.normal_(module.weight, 0.0, residual_std if name.endswith((".o", ".down")) else INIT_STD)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Tokens -> logits; a pipeline stage without the embedding takes hidden states, one
-        without the head returns them (hpctrain.parallel.pipeline)."""
+        without the head returns them (hpctrain.parallel.pipeline). A mixture of experts in
+        training returns ``{"logits", "aux_loss"}`` (the hook the task adds: hpctrain.models.moe).
+        ``doc_ids`` (B, T): packed documents, attended and positioned each on its own; under
+        context parallel, the logits of this rank's chunks (hpctrain.models.attention)."""
+        ctx = None
+        if self.tok_emb is not None:
+            tokens, ctx = prepare(tokens, doc_ids, split_of(self))
         x = tokens if self.tok_emb is None else self.tok_emb(tokens)
         for block in self.blocks:
-            x = block(x)
+            # the context as a keyword only when there is one: a plain forward calls blocks as before
+            x = block(x) if ctx is None else block(x, attn=ctx)
         if self.norm is not None:
             x = self.norm(x)
-        return x if self.head is None else self.head(x)
+        out = x if self.head is None else self.head(x)
+        aux = collect_aux_loss(self) if self.shape.moe is not None else None
+        return out if aux is None else {"logits": out, "aux_loss": aux}
 
 
 def build_llama(num_classes: int = 256, *, config: ModelConfig | None = None,
@@ -195,7 +230,15 @@ def build_llama(num_classes: int = 256, *, config: ModelConfig | None = None,
     vocab = token_vocab(cfg, num_classes, input_shape, input_dtype, name)
     model = Llama(LlamaShape(vocab=vocab, seq_len=cfg.seq_len, n_layers=cfg.n_layers, hidden=cfg.hidden,
                              heads=cfg.heads, kv_heads=cfg.kv_heads, ffn_hidden=cfg.ffn_hidden,
-                             tie_weights=cfg.tie_weights))
+                             tie_weights=cfg.tie_weights, moe=moe_shape(cfg)))
     if input_shape is not None:
         check_output(model, name, input_shape[0], vocab)
     return model
+
+
+def moe_shape(cfg: ModelConfig) -> MoEShape | None:
+    """The ``model.experts`` keys as a :class:`MoEShape`; None for a dense MLP (``model.experts=0``)."""
+    if not cfg.experts:
+        return None
+    return MoEShape(experts=cfg.experts, top_k=cfg.top_k, aux_loss_coef=cfg.aux_loss_coef,
+                    capacity_factor=cfg.capacity_factor, shared_expert=cfg.shared_expert)

@@ -36,6 +36,7 @@ from hpctrain.evaluation.evaluate import EvalResult, evaluate
 from hpctrain.parallel.buffers import check_sync_batchnorm, convert_sync_batchnorm, real_samples
 from hpctrain.parallel.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.clip import clip_grad_norm_
+from hpctrain.parallel.context import ContextParallel, check_context_parallel, context_parallel_of
 from hpctrain.parallel.mesh import build_mesh, dp_group
 from hpctrain.parallel.meta import on_meta
 from hpctrain.parallel.state import ModelState, ShardedState, WholeState
@@ -74,6 +75,8 @@ class Strategy:
         self.grad_accum = grad_accum  # micro-steps per optimizer step
         self.precision_mode, self.compile, self.seed, self.max_norm = precision, compile, seed, clip_grad_norm
         self.mesh: DeviceMesh | None = mesh if mesh is not None else self._build_mesh()
+        # parallel.cp > 1: the split, its loss and (CUDA) ring attention (hpctrain.parallel.context)
+        self.context: ContextParallel | None = context_parallel_of(self.mesh, topology, device)
         self._holds_part = False
         self.model: nn.Module = nn.Identity()
         self.optimizer: torch.optim.Optimizer | None = None
@@ -99,6 +102,8 @@ class Strategy:
             from hpctrain.parallel.tensor import check_tensor_parallel
 
             check_tensor_parallel(cfg, topology)
+        if topology.cp > 1:
+            check_context_parallel(cfg, topology)
         check_sync_batchnorm(cfg)
 
     # ---------------------------------------------------------------- building
@@ -109,7 +114,7 @@ class Strategy:
               ) -> None:
         """Build the model with ``torch.manual_seed(seed); factory()``'s weights, its optimizer
         and schedule, and the loss scaler this strategy needs."""
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn if self.context is None else self.context.loss(loss_fn)
         self.model = self.build_model(factory)
         self._holds_part = self.find_part()
         self.optimizer = self.wrap_optimizer(make_optimizer(self.model))
@@ -135,6 +140,8 @@ class Strategy:
 
             assert self.mesh is not None
             apply_tp(model, mesh=self.mesh["tp"], sequence_parallel=self.cfg.sequence_parallel)
+        if self.context is not None:  # after tp: the split is the model's, whatever holds its weights
+            self.context.apply(model)
         model = apply_activation_checkpointing(model, mode=self.cfg.activation_checkpointing)
         if self.cfg.sync_batchnorm and self.env.distributed:  # before the wrappers, which see its modules
             model = convert_sync_batchnorm(model, self.eval_group())
@@ -194,7 +201,8 @@ class Strategy:
         gradients, returned detached. ``forward_done`` is called between the two (for timing)."""
         assert self.loss_fn is not None, "setup() first"
         inputs, targets, mask = real_samples(inputs, targets, mask)  # padding never reaches BatchNorm
-        with _NO_CONTEXT if sync else self.no_sync():
+        step = _NO_CONTEXT if self.context is None else self.context.step(inputs)  # cp on CUDA: ring attention
+        with _NO_CONTEXT if sync else self.no_sync(), step:
             with self.precision.autocast():
                 loss = self.loss_fn(self.model(inputs), targets, mask)
                 if accum > 1:
@@ -240,6 +248,8 @@ class Strategy:
         if self.mesh is None:
             return [None]
         groups = [self.mesh["dp"].get_group()]
+        if self.topology.cp > 1:
+            groups.append(self.mesh["cp"].get_group())
         return groups + [self.mesh["tp"].get_group()] if self.topology.tp > 1 else groups
 
     def sync_buffers(self) -> None:

@@ -37,8 +37,8 @@ class DDP(Strategy):
     name = "ddp"
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
-        if self.topology.dp == 1:
-            return model  # nothing to replicate (e.g. tp over the whole world)
+        if self.topology.dp_cp == 1:
+            return model  # nothing to replicate (e.g. tp over the whole world); cp ranks average their grads too
         return wrap_ddp(model, self.cfg)
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:

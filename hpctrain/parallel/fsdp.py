@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from hpctrain.config.parallel import ParallelConfig, resolve_param_dtype
 from hpctrain.parallel.base import Factory, Strategy
+from hpctrain.parallel.expert import apply_expert_parallel, shard_experts
 from hpctrain.parallel.mesh import dp_mesh
 from hpctrain.parallel.meta import build_structure, materialize, meta_copy
 from hpctrain.parallel.units import shard_units
@@ -47,11 +48,16 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
                param_dtype: str = "fp32", reduce_dtype: str = "fp32", cpu_offload: bool = False) -> nn.Module:
     """``fully_shard`` each unit, then the root; returns the same module (now an FSDPModule)."""
     mp, offload = mixed_precision(param_dtype, reduce_dtype), offload_policy(cpu_offload)
+    # parallel.ep's experts: FSDP units of their own over edp, or (edp = 1) left to expert parallelism's hook
+    ignored = shard_experts(model, lambda unit, edp: fully_shard(
+        unit, mesh=edp, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)) or None
     for unit in shard_units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload,
+                    ignored_params=ignored)
     # The root's own parameters (embeddings, head) are used last in backward: resharding them
     # after forward would only gather them again at once.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload,
+                ignored_params=ignored)
     return model
 
 
@@ -112,9 +118,11 @@ class FSDP(Strategy):
         return model
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
-        if self.topology.dp == 1:
+        if self.topology.dp_cp == 1:  # context parallel: FSDP shards over dp x cp (hpctrain.parallel.mesh.dp_mesh)
             return model
         assert self.mesh is not None
+        if self.topology.ep > 1:  # first: the experts split over ep, which FSDP then shards over edp only
+            apply_expert_parallel(model, mesh=self.mesh, topology=self.topology)
         return apply_fsdp(model, mesh=dp_mesh(self.mesh), reshard_after_forward=self.cfg.reshard_after_forward,
                           param_dtype=resolve_param_dtype(self.cfg, self.precision_mode),
                           reduce_dtype=self.cfg.reduce_dtype, cpu_offload=self.offload)

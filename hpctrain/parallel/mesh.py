@@ -24,11 +24,14 @@ def build_mesh(topology: Topology, device: torch.device | str = "cpu") -> Device
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel part FSDP shards over: 1D ``dp``, or 2D (replicate, shard) for HSDP."""
+    """The data-parallel part FSDP shards over: 1D ``dp``, or 2D (replicate, shard) for HSDP; with
+    context parallel the shard dim takes in the cp ranks (``dp_cp``, HSDP's ``dp_shard_cp``: the
+    flattened dims :meth:`~hpctrain.core.topology.Topology.flattened` names), as torchtitan."""
     names = mesh.mesh_dim_names or ()
+    cp = "cp" in names
     if "dp_replicate" in names:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp"]
+        return mesh["dp_replicate", "dp_shard_cp" if cp else "dp_shard"]
+    return mesh["dp_cp" if cp else "dp"]
 
 
 def dp_group(mesh: DeviceMesh | None) -> ProcessGroup | None:

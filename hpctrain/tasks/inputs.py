@@ -10,11 +10,19 @@ it (a forward that takes ``**kwargs`` gets the keys it names, or every key when 
 Hugging Face models name their inputs, and an extra ``idx`` column must not reach their
 ``**kwargs``). Evaluation calls :func:`call_model`, which does the same without the hook (a
 user's own model in ``evaluate()``).
+
+Packed documents (``{"tokens", "doc_ids"}``, :mod:`hpctrain.tasks.causal_lm`) reach the model as
+``model(tokens, doc_ids=doc_ids)``, the tokens positionally (so a Hugging Face model's
+``input_ids`` or a user's ``forward(x)`` takes them too). A forward that names no ``doc_ids``
+gets the tokens alone: it trains, the loss still never predicts across a document boundary, but
+its attention crosses documents within a window (as GPT-2-style packing does); that is warned
+once per model, not refused, so any causal LM can read packed data.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from hpctrain.core.errors import UserError
 from hpctrain.models import build_model
 
+log = logging.getLogger("hpctrain")
 IGNORE_INDEX = -100  # a target position that counts nowhere (padding tokens), as torch's cross-entropy
 
 
@@ -71,8 +80,27 @@ def keyword_inputs(module: nn.Module, inputs: Mapping[str, Any], signature: Sign
 def call_model(net: nn.Module, inputs: Any) -> Any:
     """``net(inputs)``, or ``net(**inputs)`` (the keys its forward names) for a dict."""
     if isinstance(inputs, Mapping):
+        packed = packed_call(net, inputs, forward_names(net))
+        if packed is not None:
+            return net(*packed[0], **packed[1])
         return net(**keyword_inputs(net, inputs))
     return net(inputs)
+
+
+def packed_call(module: nn.Module, inputs: Mapping[str, Any], signature: Signature
+                ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Packed documents' ``(tokens,), {doc_ids}`` for ``module`` (no ``doc_ids`` where its forward
+    names none: warned once); None for any other inputs."""
+    if "doc_ids" not in inputs or "tokens" not in inputs:
+        return None
+    if "doc_ids" in signature[0]:
+        return (inputs["tokens"],), {"doc_ids": inputs["doc_ids"]}
+    if not getattr(module, "_hpctrain_warned_doc_ids", False):
+        module.__dict__["_hpctrain_warned_doc_ids"] = True  # once per model, not per step (not a submodule)
+        log.warning("%s.forward takes no doc_ids: its attention crosses the packed documents of a window (the loss "
+                    "still predicts no token across a boundary); hint: a model with forward(tokens, doc_ids=None) "
+                    "(gpt, llama), or data.packing=windows", type(module).__name__)
+    return (inputs["tokens"],), {}
 
 
 def expand_dict_inputs(model: nn.Module) -> RemovableHandle:
@@ -92,6 +120,9 @@ class _ExpandDict:
                  ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if len(args) != 1 or not isinstance(args[0], Mapping):
             return None
+        packed = packed_call(module, args[0], self.names)
+        if packed is not None:
+            return packed[0], {**packed[1], **kwargs}
         return (), {**keyword_inputs(module, args[0], self.names), **kwargs}
 
 

@@ -158,12 +158,15 @@ class SavedTensorMeter:
     and the storages in ``exclude``) are not activations. ``element_bytes`` counts floating
     storages at that size (see :func:`storage_bytes`; None: their own); ``on_new(nbytes)`` is
     called as a storage starts to be held, to attribute it (the planner: to a piece of the model).
+    ``real_only``: a real step's count, where tensors on the meta device (a pipeline schedule's
+    shape inference) hold no memory and are left out.
     """
 
     def __init__(self, exclude: set[StorageKey] | None = None, *, element_bytes: int | None = None,
-                 on_new: Callable[[int], None] | None = None) -> None:
+                 on_new: Callable[[int], None] | None = None, real_only: bool = False) -> None:
         self.exclude = exclude or set()
         self.element_bytes = element_bytes
+        self.real_only = real_only
         self.live = self.peak = 0
         self._on_new = on_new
         self._refs: dict[StorageKey, tuple[int, int]] = {}  # storage -> (holders, bytes)
@@ -178,6 +181,8 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        if self.real_only and tensor.device.type == "meta":
+            return tensor
         key = storage_key(tensor)
         if key is None or key in self.exclude or _is_parameter(tensor):
             return tensor

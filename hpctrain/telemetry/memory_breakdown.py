@@ -8,7 +8,10 @@ Each part at its peak within the step, read from the tensors: gradients at the s
 micro-step's forward (what the micro-steps before it accumulated: whole under
 ``parallel.reduce_every_microstep=false``, before the last one's reduce-scatter) and before
 the optimizer step, the larger; gathered parameters at the start of each FSDP unit's forward,
-while that unit's (and the root's) are gathered; parameters and optimizer state after the step.
+while that unit's (and the root's) are gathered (a pipeline stage keeps its parameters gathered
+and its gradients whole between micro-batches: seen from the first forward after a backward, so
+with more micro-batches than stages on the first stage); parameters and optimizer state after
+the step.
 
 Activations are counted by :class:`hpctrain.telemetry.measure.SavedTensorMeter` (the estimator's
 and the planner's rule): every tensor saved for backward passes its pack hook, each distinct
@@ -83,7 +86,7 @@ class MemoryProbe:
         if self._armed:
             return  # once per run
         params = {k for k in map(storage_key, param_tensors(model)) if k is not None}
-        self._meter = SavedTensorMeter(exclude=params).__enter__()
+        self._meter = SavedTensorMeter(exclude=params, real_only=True).__enter__()
         self._armed = self._counting = self.pending = True
         inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer steps its shard's optimizer
         hooked = inner if isinstance(inner, torch.optim.Optimizer) else optimizer

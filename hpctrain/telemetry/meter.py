@@ -78,6 +78,7 @@ class Meter:
     flops_divisor: int = 1
     step_flops: int | None = None       # one rank's FLOPs per optimizer step (counted on the first batch)
     tokens_per_step: int | None = None  # over all ranks, when the batch says how many tokens it holds
+    positions_per_step: int | None = None  # token positions (real and padding) per step over all ranks
     # True: every micro-batch's real tokens are added (add_tokens): padded batches hold different counts
     tokens_each_step: bool = False
 
@@ -159,10 +160,13 @@ class Meter:
         heartbeat.finishing()
         self._beat = None
 
-    def first_batch(self, model: nn.Module, batch: Any, tokens: int | None = None) -> None:
+    def first_batch(self, model: nn.Module, batch: Any, tokens: int | None = None, positions: int | None = None
+                    ) -> None:
         """Once, on the first micro-batch: FLOPs per step (on meta: no compute) and the tokens
         per step, from ``tokens`` (this rank's tokens in the micro-batch; a token-level task
-        knows them) or else the batch's ``num_tokens`` attribute, if it has one."""
+        knows them) or else the batch's ``num_tokens`` attribute, if it has one. ``positions``:
+        the micro-batch's token positions, padding included; with :attr:`tokens_each_step`, MFU
+        counts the FLOPs of the real tokens only (the step's FLOPs times their share)."""
         self.counted = True
         try:
             self.step_flops = train_step_flops(model, batch.inputs, grad_accum=self.grad_accum) // self.flops_divisor
@@ -171,6 +175,8 @@ class Meter:
         tokens = tokens if tokens is not None else getattr(batch, "num_tokens", None)
         if tokens is not None:
             self.tokens_per_step = int(tokens) * self.grad_accum * self.world_size
+        if positions:
+            self.positions_per_step = int(positions) * self.grad_accum * self.world_size
         self.lap(OTHER)
 
     # ---------------------------------------------------------------- windows
@@ -232,8 +238,15 @@ class Meter:
             row["tokens_per_s"] = steps * self.tokens_per_step / wall
         training = wall - spent[EVAL]  # validation FLOPs are not counted, so neither is its time
         if self.step_flops and self.peak is not None and steps and training > 0:
-            row["mfu"] = self._mfu(self.step_flops * steps / training, self.peak)
+            row["mfu"] = self._mfu(self.step_flops * steps * self._real_share(start, end, steps) / training, self.peak)
         return row
+
+    def _real_share(self, start: _Mark, end: _Mark, steps: int) -> float:
+        """The share of the window's token positions that are real tokens (1 when not counted step by
+        step): padding's FLOPs are work, but not useful work, so MFU leaves them out."""
+        if not (self.tokens_each_step and self.positions_per_step):
+            return 1.0
+        return min(1.0, (end.tokens - start.tokens) * self.world_size / (steps * self.positions_per_step))
 
     def _mfu(self, flops_per_s: float, peak: Peak) -> float:
         value = flops_per_s / peak.flops

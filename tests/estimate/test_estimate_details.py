@@ -129,7 +129,7 @@ def test_json_holds_every_input_and_assumption(capsys):
 
 
 def test_numbers_are_formatted_for_people(capsys):
-    from hpctrain.planning.auto import _size
+    from hpctrain.planning.auto import size as _size
 
     assert sig3(1583) == "1,580" and sig3(15.64) == "15.6" and count(1.583e15) == "1,580T"
     assert _size(1.583e12) == "1,580 GB"  # hpctrain plan's sizes, not 1.58e+03 GB

@@ -3,8 +3,9 @@
 ``hf-llama`` family's tensor-parallel plan and pipeline split with no line of them in
 ``hpctrain/parallel/``; through the trainer on gloo ranks, Shakespeare bytes, 4 steps of 8 samples:
 
-* tp2 (each of the three), pp2 (Llama, 1F1B over 2 micro-batches) and dp2 x tp2 (Llama, FSDP over
-  dp) give one process's per-step losses and val_loss within 1e-5;
+* tp2 (each of the three), pp2 (Llama, 1F1B over 2 micro-batches), dp2 x tp2 (Llama, FSDP over
+  dp) and cp2 (Llama, context parallel through the family's plan) give one process's per-step
+  losses and val_loss within 1e-5;
 * a tp2 checkpoint resumes in one process, and a pp2 checkpoint at tp2, with the
   uninterrupted run's next losses within 1e-5 (DCP reshards under the whole model's names);
 * ``hpctrain ckpt export`` of the tp2 and pp2 checkpoints gives a safetensors file that
@@ -67,6 +68,7 @@ def runs(shakespeare_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     root, shards = tmp_path_factory.mktemp("hf_family"), shakespeare_shards
     _ok(train_cases(2, [*((f"{m}-tp2", _keys(m, shards, "parallel.tp=2")) for m in MODELS),
                         ("llama-pp2", _keys("llama", shards, *PP2)),
+                        ("llama-cp2", _keys("llama", shards, "parallel.cp=2")),  # context parallel (issue 28)
                         ("llama-pp2-at-tp2", _keys("llama", shards, "parallel.tp=2",
                                                    f"resume={root / 'llama-pp2' / STEP2}"))], root, keep=KEEP))
     _ok(train_cases(1, [*((m, _keys(m, shards)) for m in MODELS),
@@ -77,7 +79,7 @@ def runs(shakespeare_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @needs_sdist
-@pytest.mark.parametrize("case", ["llama-tp2", "mistral-tp2", "qwen2-tp2", "llama-pp2", "llama-dp2xtp2"])
+@pytest.mark.parametrize("case", ["llama-tp2", "mistral-tp2", "qwen2-tp2", "llama-pp2", "llama-dp2xtp2", "llama-cp2"])
 def test_tensor_and_pipeline_parallel_match_one_process(runs: Path, case: str) -> None:
     one = runs / case.split("-")[0]
     want = step_losses(one)

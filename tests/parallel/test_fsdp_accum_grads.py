@@ -109,18 +109,20 @@ def test_the_planner_counts_whole_gradients_only_where_the_option_skips_the_redu
     which also moves fewer bytes (one reduce-scatter per step instead of one per micro-step)."""
     from hpctrain.config import load_config
     from hpctrain.core.env import ClusterEnv
-    from hpctrain.planning.auto import _candidate, _exposed_comm, detect_machine
-    from hpctrain.planning.autosize import profile
+    from hpctrain.planning.auto import Candidate, _candidate, _exposed_comm, detect_machine, model_profile
 
     keys = ["model.name=gpt", "model.n_layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32",
             "optim.name=adamw", "parallel.strategy=auto", "parallel.memory_budget_gb=1"]
     env = ClusterEnv(world_size=2, local_world_size=2)
     every, skip = (load_config(None, keys + [f"parallel.reduce_every_microstep={v}"]) for v in ("true", "false"))
-    prof = profile(every)
+    prof = model_profile(every)
     machine = detect_machine(every, env)
 
+    def probe(strategy: str, accum: int = 1) -> Any:
+        return Candidate(strategy, 1, 1, 2, "none", 2, accum, {}, 0.0, 0.0, False)
+
     def plan(cfg: Any, strategy: str, accum: int) -> Any:
-        return _candidate(cfg, prof, machine, strategy, 1, 1, 2, "none", 2, accum)
+        return _candidate(cfg, prof, machine, probe(strategy), "none", 2, accum, (1, ""))
 
     whole = plan(every, "ddp", 4).memory["grads"]  # ddp: every rank holds them all, whatever the option
     assert plan(skip, "ddp", 4).memory == plan(every, "ddp", 4).memory
@@ -128,5 +130,5 @@ def test_the_planner_counts_whole_gradients_only_where_the_option_skips_the_redu
     assert plan(skip, "fsdp", 1).memory["grads"] == whole / 2  # nothing to accumulate
     assert plan(skip, "fsdp", 4).memory["grads"] == whole
     # the communication, none of it hidden behind compute: accum reduce-scatters per step, or 1
-    fewer, more = (_exposed_comm(cfg, prof, machine, "fsdp", 1, 1, 2, 2, 4, 0.0) for cfg in (skip, every))
+    fewer, more = (_exposed_comm(cfg, prof, machine, probe("fsdp", 4), 0.0) for cfg in (skip, every))
     assert 0 < fewer < more

@@ -13,7 +13,6 @@ import pytest
 from hpctrain.config import load_config
 from hpctrain.config.parallel import ParallelConfig, check_topology
 from hpctrain.core.env import ClusterEnv
-from hpctrain.core.errors import UserError
 from hpctrain.core.section import ConfigError
 from hpctrain.core.topology import Topology
 from hpctrain.planning.layout import make_layout
@@ -81,17 +80,17 @@ def test_bad_sizes_are_a_config_error(sizes: dict[str, Any], text: str) -> None:
         Topology(**sizes)
 
 
-@pytest.mark.parametrize("key, size, what", [("cp", 2, "context"), ("ep", 4, "expert")])
-def test_the_config_check_refuses_the_dimensions_not_implemented_yet(key: str, size: int, what: str) -> None:
-    """The object describes them (the estimator sizes expert-parallel runs); a config that asks
-    for one is refused, exit 2, naming it."""
-    layout = Topology(dp_shard=4, **{key: size})
-    assert layout.world == (8 if key == "cp" else 4)  # cp splits the sequence over more ranks; ep reuses dp's
-    keys = SimpleNamespace(strategy="fsdp", dp=0, tp=1, pp=1, dp_replicate=0, **{key: size})
-    for check in (layout.check_implemented, lambda: Topology.from_config(keys, layout.world)):
-        with pytest.raises(ConfigError, match=rf"{key}={size}: {what} parallelism is not implemented yet; "
-                                              rf"hint: {key}=1"):
-            check()
+def test_context_parallel_is_a_dimension_of_the_mesh() -> None:
+    """parallel.cp (issue 28): the cp ranks sit between dp and tp, read their replica's batches,
+    and FSDP shards over dp x cp (the flattened dp_cp dim; HSDP: dp_shard_cp)."""
+    keys = SimpleNamespace(strategy="fsdp", dp=0, tp=2, pp=1, dp_replicate=0, cp=2)
+    layout = Topology.from_config(keys, 8)
+    assert (layout.dp, layout.cp, layout.dp_cp, layout.world) == (2, 2, 4, 8)
+    assert layout.dims() == (("pp", 1), ("dp", 2), ("cp", 2), ("tp", 2))
+    assert [layout.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert layout.flattened() == {"dp_cp": ("dp", "cp")}
+    assert Topology(dp_replicate=2, dp_shard=2, cp=2).flattened() == {"dp": ("dp_replicate", "dp_shard"),
+                                                                     "dp_shard_cp": ("dp_shard", "cp")}
 
 
 def test_a_world_the_config_does_not_fill_is_refused() -> None:
@@ -102,8 +101,8 @@ def test_a_world_the_config_does_not_fill_is_refused() -> None:
         Topology.from_config(ParallelConfig(strategy="hsdp", dp_replicate=3), 4)
     with pytest.raises(ValueError, match="rank 4 outside the topology's world of 4"):
         Topology(dp_shard=4).dp_rank(4)
-    with pytest.raises(UserError, match="parallel.cp"):  # no such key yet: the config refuses it by name
-        load_config(None, ["parallel.cp=2"])
+    with pytest.raises(ConfigError, match=r"x parallel\.cp \(2\) = 8 != world size 4"):
+        Topology.from_config(load_config(None, ["parallel.cp=2", "parallel.dp=4"]).parallel, 4)
 
 
 # ---------------------------------------------------------------- the mesh, on 4 gloo ranks

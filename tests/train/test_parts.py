@@ -188,6 +188,8 @@ def test_best_metric_direction_and_unknown_name():
     assert _improved(cfg, loss, row, {"metric": loss, "value": 0.4})
     assert not _improved(cfg, loss, row, {"metric": loss, "value": 0.2})
     assert _improved(cfg, loss, row, {"metric": acc, "value": 0.1})  # another metric's record
+    source = "val_loss/web"  # one source of a data.mix: still a loss, lower is better
+    assert not _improved(cfg, source, {**row, source: 0.5}, {"metric": source, "value": 0.4})
     with pytest.raises(ConfigError, match="val_accuracy"):
         _improved(cfg, "val_f1", row, {})
 
