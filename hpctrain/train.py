@@ -546,6 +546,17 @@ def _train_in_group(cfg: Config, layout: RunLayout, env: cluster.ClusterEnv, dev
         signals.uninstall()
 
 
+def _announce(cfg: Config, env: cluster.ClusterEnv, device: torch.device, data: DataBundle, layout: RunLayout,
+              run_dir: Path, given: Config, step: int) -> None:
+    """Rank 0, once the resume is settled: config.yaml, status.json "running" and the run's one-line description."""
+    atomic_write_text(run_dir / "config.yaml", to_yaml(given))
+    write_status(run_dir, "running", step=step)
+    log.info("training %s on %s: %d train / %d val samples, world size %d, device %s; global batch %d = "
+             "%d per rank x %d micro-steps x %d %s", cfg.model.name, data_text(cfg.data), data.train_size,
+             data.val_size, env.world_size, device, layout.global_batch, layout.micro_batch, layout.grad_accum,
+             layout.dp, "ranks" if layout.dp == env.world_size else "data-parallel replicas")
+
+
 def _set_up_and_run(cfg: Config, layout: RunLayout, env: cluster.ClusterEnv, device: torch.device, run_dir: Path,
                     given: Config, signals: SignalFlag) -> dict[str, Any]:
     configure_runtime(cfg, env)
@@ -580,12 +591,7 @@ def _set_up_and_run(cfg: Config, layout: RunLayout, env: cluster.ClusterEnv, dev
             write_status(run_dir, "preempted", step=parts.counters.step, during=err.phase)
         raise
     if env.is_main:
-        atomic_write_text(run_dir / "config.yaml", to_yaml(given))
-        write_status(run_dir, "running", step=parts.counters.step)
-        log.info("training %s on %s: %d train / %d val samples, world size %d, device %s; global batch %d = "
-                 "%d per rank x %d micro-steps x %d %s", cfg.model.name, data_text(cfg.data), data.train_size,
-                 data.val_size, env.world_size, device, layout.global_batch, layout.micro_batch, layout.grad_accum,
-                 layout.dp, "ranks" if layout.dp == env.world_size else "data-parallel replicas")
+        _announce(cfg, env, device, data, layout, run_dir, given, parts.counters.step)
     # up to summary.json, an error leaves status.json "failed" with the error (model.pt too)
     with failure_recorded(env.is_main, lambda error: write_status(run_dir, "failed", step=parts.counters.step,
                                                                    error=error)), first_cause():

@@ -107,24 +107,23 @@ class S3Server:
         return sorted(o["Key"] for p in pages for o in p.get("Contents", []))
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
+def _serve() -> Iterator[S3Server]:
     pytest.importorskip("moto.server", reason="moto[server] is in the test extras")
     server = S3Server().start()
     try:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    yield from _serve()
 
 
 @pytest.fixture
 def s3_private_server() -> Iterator[S3Server]:
-    pytest.importorskip("moto.server", reason="moto[server] is in the test extras")
-    server = S3Server().start()
-    try:
-        yield server
-    finally:
-        server.kill()
+    yield from _serve()
 
 
 @pytest.fixture

@@ -135,12 +135,13 @@ def main() -> int:
     parser.add_argument("--per-shard", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--bucket", help="a bucket of a real store (credentials and endpoint from the environment)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, the same for every reader")
     parser.add_argument("--json")
     args = parser.parse_args()
     db = _data_bench()
     import torch
 
-    torch.set_num_threads(1)  # one intra-op thread for every reader: no reader's batch ops race the I/O threads
+    torch.set_num_threads(args.threads)  # the same for every reader (1: no batch op races the I/O threads)
     server = None
     if args.bucket is None:
         from tests.s3_server import S3Server

@@ -36,8 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("hpctrain.cli.data", "pack data into tar shards (WebDataset layout), verify, inspect"),
     "estimate": ("hpctrain.cli.estimate", "size a training run: FLOPs and time, memory per GPU by strategy, "
                                           "checkpoint cost, Young-Daly interval"),
-    "plan": ("hpctrain.cli.plan", "choose strategy, tp, pp, activation checkpointing and micro-batch "
-                                  "(parallel.strategy=auto) and print why, without training"),
+    "plan": ("hpctrain.cli.plan", "choose strategy, tp, pp, offload, activation checkpointing and micro-batch "
+                                  "for a machine (parallel.strategy=auto) and print why, without training"),
     "report": ("hpctrain.cli.report", "summary table and plots of one or more runs (--html: one page)"),
     "bench": ("hpctrain.cli.bench", "the workshop's benchmarks, one command each: table, JSON and PNG"),
 }

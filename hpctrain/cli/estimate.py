@@ -185,7 +185,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     mtbf_hours, mtbf_source = _mtbf(args)
     return Inputs(params=size.params, source=size.source, gpu=gpu,
                   tokens=None if args.tokens is None else parse_count(args.tokens, "--tokens"),
-                  gpus=args.gpus, strategy=args.strategy, tp=args.tp, pp=args.pp, ep=args.ep,
+                  gpus=args.gpus, strategy=args.strategy, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
                   precision=args.precision, amp_layout=args.amp_layout,
                   mfu=0.4 if args.mfu is None else args.mfu, hfu=_hfu(args, gpu.peak_flops(args.precision)),
                   micro_batch=args.micro_batch, recompute=args.activation_checkpointing,
@@ -218,6 +218,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for attr, flag in _SHAPE_FLAGS:
         size.add_argument(flag, dest=attr, type=int, help="transformer shape (all five together)")
     _add_architecture(p)
+    _add_run(p)
+    _add_declared(p)
+    _add_reliability(p)
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(func=cmd_estimate)
+
+
+def _add_run(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("run")
     run.add_argument("--tokens", help="training tokens: 300B, 1.4T; samples for an image --model "
                                       "(needed for FLOPs and time)")
@@ -239,6 +247,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "megatron = 2+4+12 (fp32 main grads: Megatron-LM in bf16), "
                           "autocast = 4+4+8 (torch AMP, FSDP2 mixed precision)")
     run.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a mixture of experts; divides dp)")
+    run.add_argument("--cp", type=int, default=1, help="context-parallel degree: each GPU holds seq-len / cp tokens "
+                                                       "(gpus = dp x tp x pp x cp)")
     run.add_argument("--mfu", type=float, help="model FLOPs utilisation, a fraction (default 0.4)")
     run.add_argument("--hfu", type=float, help="hardware FLOPs utilisation (recomputation counted), instead of --mfu")
     run.add_argument("--achieved-tflops", type=float, metavar="TFLOPS",
@@ -248,6 +258,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="activation recomputation (default none): selective keeps every matmul's output "
                           "(hpctrain's), selective_op every other one (torchtitan's op-level policy), full each "
                           "block's input")
+
+
+def _add_declared(p: argparse.ArgumentParser) -> None:
     declared = p.add_argument_group("what the strategy holds (the declared memory, docs/estimate.md)")
     declared.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
     declared.add_argument("--microbatches", type=int, help="with --pp: pipeline micro-batches per step, each of "
@@ -267,6 +280,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     declared.add_argument("--cpu-offload", action="store_true", help="fsdp/hsdp: sharded state in host memory")
     declared.add_argument("--no-reduce-every-microstep", dest="reduce_every_microstep", action="store_false",
                           help="fsdp/hsdp with --grad-accum: whole gradients between reduce-scatters")
+
+
+def _add_reliability(p: argparse.ArgumentParser) -> None:
     rel = p.add_argument_group("checkpointing and failures")
     rel.add_argument("--mtbf-hours", type=float,
                      help="mean time between failures of ONE GPU, in hours; the cluster's is this / --gpus")
@@ -276,8 +292,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           f"{reliability.DEFAULT_GPU_MTBF_HOURS:,.0f} h: a shared research cluster)")
     rel.add_argument("--ckpt-bandwidth", type=float, default=reliability.DEFAULT_CKPT_GBPS,
                      help=f"aggregate checkpoint write bandwidth, GB/s (default {reliability.DEFAULT_CKPT_GBPS:g})")
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    p.set_defaults(func=cmd_estimate)
 
 
 def _add_architecture(p: argparse.ArgumentParser) -> None:

@@ -92,7 +92,7 @@ class Topology:
     @property
     def world(self) -> int:
         """Ranks in the job. Expert parallelism adds none: its ranks are data-parallel ranks
-        (the experts are split over the dp x cp ranks, as torchtitan does)."""
+        (``dp`` splits into ``edp`` x ``ep``; the experts are split over the ep ranks)."""
         return self.pp * self.dp * self.cp * self.tp
 
     @property

@@ -31,6 +31,7 @@ class Inputs:
     mfu: float = 0.4
     hfu: float | None = None  # hardware FLOPs utilisation; when given, the time comes from it, not from mfu
     ep: int = 1  # expert parallelism (a mixture of experts)
+    cp: int = 1  # context parallelism: each rank holds seq_len / cp of the tokens
     micro_batch: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
@@ -60,7 +61,7 @@ class Inputs:
     def __post_init__(self) -> None:
         _positive(("--params", self.params), ("--gpus", self.gpus), ("--tp", self.tp), ("--pp", self.pp),
                   ("--micro-batch", self.micro_batch), ("--mtbf-hours", self.gpu_mtbf_hours),
-                  ("--ckpt-bandwidth", self.ckpt_gbps), ("--ep", self.ep))
+                  ("--ckpt-bandwidth", self.ckpt_gbps), ("--ep", self.ep), ("--cp", self.cp))
         if self.tokens is not None:
             _positive(("--tokens", self.tokens))
         if not 0 < self.mfu <= 1:
@@ -76,9 +77,9 @@ class Inputs:
         _positive(("--grad-accum", self.grad_accum), ("--dp-replicate", self.dp_replicate))
         if self.microbatches is not None:
             _positive(("--microbatches", self.microbatches))
-        if self.gpus % (self.tp * self.pp):
-            raise UserError(f"--tp {self.tp} x --pp {self.pp} = {self.tp * self.pp} does not divide --gpus "
-                            f"{self.gpus}; data parallelism needs gpus = dp x tp x pp")
+        if self.gpus % (self.tp * self.pp * self.cp):
+            raise UserError(f"--tp {self.tp} x --pp {self.pp} x --cp {self.cp} = {self.tp * self.pp * self.cp} does "
+                            f"not divide --gpus {self.gpus}; data parallelism needs gpus = dp x tp x pp x cp")
         self._check_shape()
 
     def _check_shape(self) -> None:
@@ -98,11 +99,11 @@ class Inputs:
     @property
     def topology(self) -> Topology:
         """The layout estimated (expert parallelism takes its ranks from data parallelism)."""
-        dp = self.gpus // (self.tp * self.pp)
+        dp = self.gpus // (self.tp * self.pp * self.cp)
         if dp % self.dp_replicate:
             raise UserError(f"--dp-replicate {self.dp_replicate} must divide the data-parallel degree {dp}")
         return Topology(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=dp // self.dp_replicate, tp=self.tp,
-                        ep=self.ep)
+                        ep=self.ep, cp=self.cp)
 
     @property
     def dp(self) -> int:
@@ -138,7 +139,7 @@ def estimate(inp: Inputs) -> dict[str, Any]:
     return {
         "model": {"params": inp.params, "active_params": inp.active_params, "source": inp.source,
                   "shape": _shape_dict(inp), "seq_len": _seq_len(inp), "seq_len_source": inp.seq_len_source or None},
-        "parallel": {"gpus": inp.gpus, "dp": inp.dp, "tp": inp.tp, "pp": inp.pp, "ep": inp.ep,
+        "parallel": {"gpus": inp.gpus, "dp": inp.dp, "tp": inp.tp, "pp": inp.pp, "ep": inp.ep, "cp": inp.cp,
                      "sequence_parallel": inp.sequence_parallel},
         "compute": None if needs else _compute(inp),
         "compute_needs": needs,
@@ -174,7 +175,7 @@ def _inputs(inp: Inputs) -> dict[str, Any]:
             "seq_len_source": inp.seq_len_source or None, "gpus": inp.gpus,
             "gpu": {"name": gpu.name, "memory_gb": gpu.memory_gb, "peak_tflops": gpu.peak_flops(inp.precision) / 1e12,
                     "precision": inp.precision, "source": gpu.source},
-            "strategy": inp.strategy, "tp": inp.tp, "pp": inp.pp, "ep": inp.ep, "dp": inp.dp,
+            "strategy": inp.strategy, "tp": inp.tp, "pp": inp.pp, "ep": inp.ep, "cp": inp.cp, "dp": inp.dp,
             "sequence_parallel": inp.sequence_parallel, "precision": inp.precision, "amp_layout": inp.amp_layout,
             "mfu": None if inp.hfu is not None else inp.mfu, "hfu": inp.hfu, "micro_batch": inp.micro_batch,
             "activation_checkpointing": inp.recompute, "gpu_mtbf_hours": inp.gpu_mtbf_hours,
@@ -274,7 +275,7 @@ def _stages(inp: Inputs) -> tuple[list[_Stage], str]:
     if inp.seq_len_known:
         acts = list(activations.stage_bytes(shape, inp.micro_batch, tp=inp.tp, pp=inp.pp,
                                             sequence_parallel=inp.sequence_parallel, recompute=_legacy(inp.recompute),
-                                            element_bytes=e))
+                                            element_bytes=e, cp=inp.cp))
         method = "Korthikanti et al. 2022 (transformer shape)"
     expert_layer = shape.experts * shape.expert_params if shape.experts > 1 else 0
     stages = [_Stage(i, n, held * scale, n * expert_layer * scale, a) for i, (n, held, a) in

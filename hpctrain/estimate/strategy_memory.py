@@ -241,11 +241,11 @@ def strategy_memory(inp: MemoryInputs) -> StrategyMemory:
 def _shards(inp: MemoryInputs) -> dict[str, int]:
     """Over how many ranks each of weights, gradients and optimizer state is split."""
     topo, s = inp.topology, inp.strategy
-    if s in ("fsdp", "hsdp"):
-        d = topo.dp_shard
+    if s in ("fsdp", "hsdp"):  # context parallel: FSDP shards over dp_shard x cp (as torchtitan)
+        d = topo.dp_shard * topo.cp
         return {"weights": d, "grads": d, "optimizer": d}
-    if s == "zero1":
-        return {"weights": 1, "grads": 1, "optimizer": topo.dp}
+    if s == "zero1":  # the optimizer state split over every rank that holds the same weights
+        return {"weights": 1, "grads": 1, "optimizer": topo.dp_cp}
     if s == "deepspeed":
         k = inp.deepspeed_stage
         return {"weights": topo.dp if k == 3 else 1, "grads": topo.dp if k >= 2 else 1, "optimizer": topo.dp}
@@ -259,7 +259,7 @@ def _stage(inp: MemoryInputs, stage: int) -> StrategyMemory:
     grads = n * b.grads / d["grads"]
     optimizer = n * (b.master + 4 * inp.optimizer_elements) / d["optimizer"]
     gathered = pipeline = pipeline_grads = offloaded = 0.0
-    sharded = inp.strategy in ("fsdp", "hsdp") and inp.topology.dp_shard > 1
+    sharded = inp.strategy in ("fsdp", "hsdp") and inp.topology.dp_shard * inp.topology.cp > 1
     if inp.strategy == "deepspeed":
         grads += n * 4 / inp.topology.dp if inp.deepspeed_stage == 1 and b.master else 0.0  # fp32 partition's
         if inp.deepspeed_stage == 3:
@@ -307,11 +307,12 @@ def _activations(inp: MemoryInputs, stage: int) -> tuple[float, float, float]:
     rank of ``stage``."""
     shape, topo = inp.shape, inp.topology
     e = PRECISION_BYTES[inp.precision]
-    sbh = shape.seq_len * inp.micro_batch * shape.hidden
+    # context parallel: a rank holds seq_len / cp of the tokens (the gathered K/V: activations.layer_bytes)
+    sbh = shape.seq_len * inp.micro_batch * shape.hidden / topo.cp
     # sequence parallelism with DTensor (hpctrain, torchtitan): the column-parallel matmuls of attention and
     # the MLP save their all-gathered input whole, where Megatron re-gathers it in backward
     gathered = 2 * e * sbh * (1 - 1 / topo.tp) if inp.sequence_parallel else 0.0
-    kw = dict(tp=topo.tp, sequence_parallel=inp.sequence_parallel, element_bytes=e)
+    kw = dict(tp=topo.tp, sequence_parallel=inp.sequence_parallel, element_bytes=e, cp=topo.cp)
     # flash attention saves no scores: the bytes of Korthikanti's selective recompute
     whole = activations.layer_bytes(shape, inp.micro_batch, recompute="selective" if inp.attention == "flash"
                                     else "none", **kw) + gathered  # type: ignore[arg-type]
@@ -323,7 +324,7 @@ def _activations(inp: MemoryInputs, stage: int) -> tuple[float, float, float]:
         layer = whole
     n, flight = stage_layers(shape.layers, topo.pp)[stage], in_flight(inp, stage)
     held = flight * n * layer
-    sbv = shape.seq_len * inp.micro_batch * shape.vocab / (topo.tp if inp.loss_parallel else 1)
+    sbv = shape.seq_len * inp.micro_batch * shape.vocab / (topo.tp if inp.loss_parallel else 1) / topo.cp
     last = stage == topo.pp - 1
     if last:  # the final norm's input and output (eager RMSNorm: its normalized input too), fp32 log-softmax
         norm = 3 if shape.norm == "rmsnorm" else 2
@@ -341,7 +342,7 @@ def _kept_outputs(inp: MemoryInputs, *, every_other: bool) -> float:
     ops are recomputed. Column-parallel outputs are split by tp; the input and the row-parallel
     outputs (o, down: all-reduced whole) only under sequence parallelism."""
     shape, tp = inp.shape, inp.topology.tp
-    rows = shape.seq_len * inp.micro_batch * PRECISION_BYTES[inp.precision]
+    rows = shape.seq_len * inp.micro_batch * PRECISION_BYTES[inp.precision] / inp.topology.cp
     h, up = shape.hidden, shape.ffn * shape.top_k
     matmuls = [(shape.q_dim, True), (shape.kv_dim, True), (shape.kv_dim, True), (h, False)]
     matmuls += [(up, True)] * (shape.mlp_matrices - 1) + [(h, False)]

@@ -1,77 +1,77 @@
-"""``parallel.strategy=auto`` (and ``hpctrain plan``, :mod:`hpctrain.cli.plan`): choose strategy,
-tp, pp, activation checkpointing and micro-batch for this world, before anything is built.
+"""``parallel.strategy=auto`` (and ``hpctrain plan``, :mod:`hpctrain.cli.plan`): choose the strategy,
+tp, pp, pipeline micro-batches and schedule, cpu offload, activation checkpointing and micro-batch
+for the machine the job runs on, before anything is built.
 
-The model is measured on the meta device (:mod:`hpctrain.planning.autosize`). Every layout
-the model allows (ddp, zero1, fsdp over all ranks; tp and pp within a node for a model with
-transformer blocks, fsdp over the remaining data-parallel ranks) is tried with every
-activation-checkpointing mode and every micro-batch that keeps the global batch; the trainer's
-own checks (:func:`hpctrain.planning.layout.make_layout`) reject what it cannot run. Each candidate
-gets an estimate of the memory of its busiest rank and of its throughput; the fastest one
-whose estimate fits ``budget x (1 - parallel.memory_margin)`` is chosen, and its values
-replace ``auto`` in the config (so config.yaml records them).
+The machine (:mod:`hpctrain.planning.machine`) is the GPU named by ``parallel.target_gpu`` (what
+``hpctrain plan --gpu`` sets), else the device found at run time. The model
+(:mod:`hpctrain.planning.profile`): the built-in transformers by their shape alone, torch-free;
+any other model measured on the meta device (:mod:`hpctrain.planning.autosize`). Given the same
+config and world, ``hpctrain plan`` on a login node and ``auto`` on the GPU node run the same
+function on the same numbers, so they choose the same plan.
 
-Memory of one rank (its largest pipeline stage): parameters, gradients (their own dtype,
-tensor-parallel Linears divided by tp) and optimizer state (AdamW 2, SGD with momentum 1
-element per parameter; another optimizer is taken as AdamW), sharded by the estimator's rules
-(:func:`hpctrain.estimate.gpu_memory.states_per_rank`: zero1 the optimizer state, fsdp all three);
-under fsdp two blocks gathered unsharded with their gradients; the activations measured per
-sample, times the samples in flight (a pipeline stage's micro-batches under its schedule),
-split by tp as Korthikanti et al.'s formula splits them (:mod:`hpctrain.estimate.activations`),
-plus, under checkpointing, one block's full activations while it is recomputed.
+The search: every layout the model and the world allow (ddp, zero1, fsdp, fsdp with cpu offload,
+hsdp across nodes, DeepSpeed ZeRO 1-3 where the package is installed, over all ranks; tp within
+a node and pp for a model with transformer blocks, fsdp over the remaining data-parallel ranks;
+context parallel for long sequences and expert parallel for a mixture of experts where the config
+offers them), with every activation-checkpointing mode, every micro-batch that keeps the global
+batch, and under pp ``parallel.microbatches`` in {pp, 2pp, 4pp, 8pp} x the three schedules. The
+trainer's own rules reject what it cannot run. Each candidate's memory on its busiest rank is the
+strategies' declaration (:mod:`hpctrain.estimate.strategy_memory`: weights, gradients at their
+peak under accumulation, optimizer state, gathered parameters, what a pipeline stage holds,
+activations for the target's attention kernel); a measured model without a transformer shape
+keeps the estimator's rules and its measured saved tensors. The fastest candidate whose memory
+fits ``budget x (1 - parallel.memory_margin)`` is chosen and its values replace ``auto`` in the
+config (config.yaml records them).
 
-Time of one optimizer step (a simple cost model, to rank the candidates, not to predict a run):
-the counted FLOPs of the rank's share at a nominal device rate (the estimator's peak table for
-a known GPU at 40% utilisation; a nominal 50 GFLOP/s for a CPU rank), plus block
-checkpointing's second forward, plus a fixed cost per module per micro-step (kernel launches,
-Python), plus the pipeline bubble ((pp - 1) / micro-batches of the compute), plus the
-communication: tensor-parallel all-reduces (4 per block per micro-step) and pipeline sends on
-the critical path, data-parallel collectives (DDP's all-reduce; ZeRO-1's also the parameters;
-FSDP's two all-gathers per micro-step and a reduce-scatter) only where they outlast the
-backward they overlap with. Ring collectives move 2(n-1)/n of the bytes; bandwidths are
-nominal (NVLink 150 GB/s and 20 GB/s between nodes on GPUs, 2 GB/s for gloo on a CPU).
+Time of one optimizer step (a cost model to rank candidates, not to predict a run): the counted
+FLOPs of the rank's share at 40% of the target's dense peak, plus recomputation, a fixed cost per
+module per micro-step, the pipeline bubble ((pp - 1) / micro-batches, / virtual stages when
+interleaved), cpu offload's host traffic and optimizer step, and the communication that outlasts
+the backward it overlaps with (data-parallel collectives; tp's all-reduces and pp's sends on the
+critical path; cp's key/value all-gathers; ep's all-to-alls). Bandwidths are nominal.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from hpctrain.config.model import check_experts
 from hpctrain.config.parallel import AUTO, resolve_param_dtype
 from hpctrain.core.section import ConfigError
+from hpctrain.core.topology import Topology
 from hpctrain.estimate.activations import layer_bytes
 from hpctrain.estimate.gpu_memory import PREFETCHED_LAYERS, StateLayout, compute_bytes, states_per_rank
 from hpctrain.estimate.model import stage_layers
 from hpctrain.estimate.render import sig3
-from hpctrain.planning.layout import make_layout
-from hpctrain.telemetry.accelerators import ACCELERATORS
+from hpctrain.estimate.strategy_memory import MemoryInputs, recompute_of, strategy_memory
+from hpctrain.planning.layout import make_layout, world_layout
+from hpctrain.planning.machine import Machine, detect_machine
+from hpctrain.planning.profile import Profile, builtin_shape, shape_profile
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
     from hpctrain.core.env import ClusterEnv
-    from hpctrain.planning.autosize import Profile
+
+__all__ = ["Candidate", "Choice", "Machine", "apply", "choose", "detect_machine", "render", "resolve_auto"]
 
 log = logging.getLogger("hpctrain")
 
-STRATEGIES = ("ddp", "zero1", "fsdp")  # over the data-parallel ranks alone; tp / pp take fsdp (ddp at dp=1)
-_RECOMPUTE = {"none": "none", "selective": "selective", "block": "full"}  # the estimator's names
+STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp", "deepspeed")  # ties go to the first: less sharding, native first
+MODES = ("none", "selective", "block")  # parallel.activation_checkpointing, least recompute first
+# gpipe is not tried: it has 1f1b's bubble and holds every micro-batch's activations at once
+SCHEDULES = ("1f1b", "interleaved_1f1b")
+PIPELINE_DEPTHS = (1, 2, 4, 8, 16, 32)  # parallel.microbatches tried: these multiples of pp
 SELECTIVE_SHARE = 0.1  # selective recompute redoes the element-wise ops: taken as 10% of the blocks' forward
 MODULE_COST_S = {"cuda": 10e-6, "cpu": 30e-6}  # per module per micro-step (forward + backward launches)
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What one rank has: memory budget, a nominal compute rate and link bandwidths (bytes/s)."""
-
-    kind: str  # cuda | cpu
-    name: str
-    budget: float  # bytes
-    usable: float  # bytes: budget less the margin
-    flops: float  # sustained FLOP/s assumed
-    intra: float
-    inter: float
-    local: int  # ranks per node: data parallelism within them uses the fast link
+HOST_LINK = 25e9  # bytes/s between host and GPU (PCIe 4 x16, nominal): cpu offload's traffic
+HOST_ADAM = 2e9  # parameters/s a host's optimizer step updates (cpu offload)
+DEEPSPEED_HOOKS = 2.0  # DeepSpeed's engine runs Python hooks around every module: twice the cost per module
+LONG_SEQUENCE = 8192  # context parallel is considered above this many tokens per sample (Llama 3: its 128k phase)
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,16 @@ class Candidate:
     checkpointing: str
     micro_batch: int
     grad_accum: int
-    memory: dict[str, float]  # bytes on the busiest rank: params, grads, optimizer, gathered, activations
+    memory: dict[str, float]  # bytes on the busiest rank, by part
     seconds: float  # per optimizer step
     samples_per_s: float
     fits: bool
+    microbatches: int = 1  # pp > 1: pipeline micro-batches per micro-step
+    schedule: str = ""  # pp > 1: the pipeline schedule
+    cpu_offload: bool = False
+    deepspeed_stage: int = 0
+    cp: int = 1
+    ep: int = 1
 
     @property
     def total(self) -> float:
@@ -94,9 +100,20 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        parts = [f"{self.strategy} dp{self.dp}"] if self.dp > 1 else []
-        parts += [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp)) if v > 1]
-        return " ".join(parts) or self.strategy
+        name = self.strategy + (f"-z{self.deepspeed_stage}" if self.strategy == "deepspeed" else "") + \
+            ("+offload" if self.cpu_offload else "")
+        parts = [f"{name} dp{self.dp}"] if self.dp > 1 or self.cpu_offload else []
+        parts += [f"{k}{v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("ep", self.ep), ("pp", self.pp)) if v > 1]
+        if self.pp > 1 and self.schedule:
+            parts.append(f"{_SHORT[self.schedule]}x{self.microbatches}")
+        return " ".join(parts) or name
+
+    @property
+    def layout(self) -> tuple[str, int, int, int, int, int, bool, int]:
+        return (self.strategy, self.tp, self.pp, self.dp, self.cp, self.ep, self.cpu_offload, self.deepspeed_stage)
+
+
+_SHORT = {"1f1b": "1f1b", "interleaved_1f1b": "i1f1b", "gpipe": "gpipe"}
 
 
 @dataclass(frozen=True)
@@ -114,8 +131,9 @@ class Choice:
 
 
 def resolve_auto(cfg: Config, env: ClusterEnv) -> Config:
-    """``cfg`` with ``parallel.strategy=auto`` replaced by the chosen plan's values (and the
-    table logged on the main rank); any other config unchanged."""
+    """``cfg`` with ``parallel.strategy=auto`` replaced by the chosen plan's values (the table and
+    the choice logged on the main rank, so the job's log says what it runs and why); any other
+    config unchanged."""
     if cfg.parallel.strategy != AUTO:
         return cfg
     choice = choose(cfg, env)
@@ -127,39 +145,56 @@ def resolve_auto(cfg: Config, env: ClusterEnv) -> Config:
 
 def choose(cfg: Config, env: ClusterEnv) -> Choice:
     """The fastest candidate that fits; ConfigError (exit 2) naming the smallest need when none does."""
-    from hpctrain.planning.autosize import profile  # torch: loaded only when auto is asked for
-
-    prof = profile(cfg)
+    prof = model_profile(cfg)
     machine = detect_machine(cfg, env)
     total = global_batch(cfg, env.world_size)
     candidates: list[Candidate] = []
     rejected: dict[str, str] = {}
-    for strategy, tp, pp in layouts(prof, env):
-        dp = env.world_size // (tp * pp)
-        why = _rejected(cfg, env, strategy, tp, pp, total // dp)
+    for probe in layouts(cfg, prof, env, machine):
+        why = _rejected(cfg, prof, env, probe, total // probe.dp) if total % probe.dp == 0 else \
+            f"the global batch of {total} samples does not split over its {probe.dp} data-parallel replicas"
         if why is not None:
-            rejected[Candidate(strategy, tp, pp, dp, "", 0, 0, {}, 0, 0, False).label] = why
+            rejected[probe.label] = why
             continue
-        for mode in _modes(cfg, prof):
-            options = [_candidate(cfg, prof, machine, strategy, tp, pp, dp, mode, m, total // dp // m)
-                       for m in micro_batches(total // dp, pp, cfg.parallel.microbatches)]
-            candidates.append(_best(options))
+        for mode in _modes(prof):
+            candidates.append(_best_of_layout(cfg, prof, machine, probe, mode, total // probe.dp))
     if not candidates:
         raise ConfigError(f"parallel.strategy=auto found no layout the trainer can run on {env.world_size} ranks: "
                           + "; ".join(f"{k}: {v}" for k, v in rejected.items()))
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        raise ConfigError(_none_fits(cfg, env, machine, min(candidates, key=lambda c: c.total)))
+        raise ConfigError(_none_fits(cfg, env, machine, candidates))
     chosen = max(fitting, key=_rank)
     return Choice(apply(cfg, chosen), chosen, sorted(candidates, key=_rank, reverse=True), rejected, machine,
                   total, prof.tokens_per_sample)
 
 
+def model_profile(cfg: Config) -> Profile:
+    """The built-in transformers from their shape (no torch); any other model measured on meta."""
+    builtin = builtin_shape(cfg.model)
+    if builtin is not None:
+        shape, vocab_parallel = builtin
+        return shape_profile(cfg.model, shape, vocab_parallel=vocab_parallel)
+    from hpctrain.planning.autosize import profile  # torch: a model without a declared shape is measured
+
+    return profile(cfg)
+
+
 def apply(cfg: Config, c: Candidate) -> Config:
     """``cfg`` as the candidate runs it, written as a user would: the chosen parallel keys, and the
     micro-batch as ``data.batch_size`` (with ``data.global_batch_size`` kept, or ``train.grad_accum``)."""
+    extra: dict[str, Any] = {"cpu_offload": c.cpu_offload}
+    if c.strategy == "deepspeed":
+        extra["deepspeed_stage"] = c.deepspeed_stage
+    if c.pp > 1:
+        extra |= {"microbatches": c.microbatches, "pp_schedule": c.schedule}
+    if c.strategy != "hsdp":
+        extra["dp_replicate"] = 0
+    for dim in ("cp", "ep"):  # the dimensions exist where context / expert parallel are built
+        if hasattr(cfg.parallel, dim):
+            extra[dim] = getattr(c, dim)
     parallel = replace(cfg.parallel, strategy=c.strategy, tp=c.tp, pp=c.pp, dp=0,
-                       activation_checkpointing=c.checkpointing)  # type: ignore[arg-type]
+                       activation_checkpointing=c.checkpointing, **extra)  # type: ignore[arg-type]
     data = replace(cfg.data, batch_size=c.micro_batch)
     accum = 1 if cfg.data.global_batch_size is not None else c.grad_accum
     return replace(cfg, parallel=parallel, data=data, train=replace(cfg.train, grad_accum=accum))
@@ -174,18 +209,55 @@ def global_batch(cfg: Config, world_size: int) -> int:
     return cfg.data.global_batch_size or cfg.data.batch_size * cfg.train.grad_accum * world_size
 
 
-def layouts(prof: Profile, env: ClusterEnv) -> Iterator[tuple[str, int, int]]:
-    """(strategy, tp, pp): data parallelism over every rank, then tp x pp splits (tp within a node)."""
-    for strategy in STRATEGIES:
-        yield strategy, 1, 1
+def _probe(strategy: str, tp: int, pp: int, dp: int, **kw: Any) -> Candidate:
+    return Candidate(strategy, tp, pp, dp, "none", 0, 0, {}, 0.0, 0.0, False, **kw)
+
+
+def layouts(cfg: Config, prof: Profile, env: ClusterEnv, machine: Machine) -> Iterator[Candidate]:
+    """Layouts as probes (no micro-batch yet): data parallelism over every rank in each strategy
+    and variant, then the model splits (cp, ep, tp within a node, pp) with fsdp over the rest."""
+    world = env.world_size
+    offload = machine.kind == "cuda"  # on a CPU rank the host's memory is the budget already
+    for variant in _data_parallel(env, offload):
+        yield _probe(dp=world, tp=1, pp=1, **variant)
     if not prof.block_params:
         return
-    for tp in _divisors(env.world_size):
-        if tp > 1 and not (prof.tensor_parallel and tp <= env.local_world_size and _heads_split(prof, tp)):
-            continue
-        for pp in _divisors(env.world_size // tp):
-            if tp * pp > 1 and pp <= len(prof.block_params):
-                yield ("fsdp" if env.world_size > tp * pp else "ddp"), tp, pp
+    for cp, ep in _cp_ep(cfg, prof, world):
+        for tp in _divisors(world // cp):
+            if tp > 1 and not (prof.tensor_parallel and tp * cp <= env.local_world_size and _heads_split(prof, tp)):
+                continue
+            for pp in _divisors(world // (cp * tp)):
+                if cp * tp * pp * ep == 1 or pp > len(prof.block_params) or (cp > 1 and pp > 1):  # cp: no pp
+                    continue
+                dp = world // (cp * tp * pp)
+                yield _probe("fsdp" if dp > 1 or cp > 1 else "ddp", tp, pp, dp, cp=cp, ep=ep)
+                if offload and dp > 1 and tp * pp == 1 and ep == 1:
+                    yield _probe("fsdp", tp, pp, dp, cp=cp, cpu_offload=True)
+
+
+def _data_parallel(env: ClusterEnv, offload: bool) -> Iterator[dict[str, Any]]:
+    """Strategies over the data-parallel ranks alone: ddp, zero1, fsdp, fsdp with cpu offload,
+    hsdp (replicas across nodes, shards within), DeepSpeed ZeRO 1-3 (where it is installed)."""
+    yield from ({"strategy": s} for s in ("ddp", "zero1", "fsdp"))
+    if offload and env.world_size > 1:
+        yield {"strategy": "fsdp", "cpu_offload": True}
+    if env.num_nodes > 1:
+        yield {"strategy": "hsdp"}
+    if importlib.util.find_spec("deepspeed") is not None:  # a plan the environment cannot run is no plan
+        yield from ({"strategy": "deepspeed", "deepspeed_stage": stage} for stage in (1, 2, 3))
+
+
+def _cp_ep(cfg: Config, prof: Profile, world: int) -> list[tuple[int, int]]:
+    """(cp, ep) pairs to try: context parallel for a long sequence, expert parallel for a mixture of
+    experts, each only where the config has the dimension (the trainer builds it)."""
+    shape = prof.shape
+    cps = [1]
+    if hasattr(cfg.parallel, "cp") and shape is not None and shape.seq_len > LONG_SEQUENCE:
+        cps += [c for c in (2, 4, 8) if world % c == 0 and shape.seq_len % (2 * c) == 0]
+    eps = [1]
+    if hasattr(cfg.parallel, "ep") and shape is not None and shape.experts > 1:
+        eps += [e for e in _divisors(shape.experts) if 1 < e <= world and world % e == 0]
+    return [(c, e) for c in cps for e in eps if c == 1 or e == 1]
 
 
 def _heads_split(prof: Profile, tp: int) -> bool:
@@ -196,57 +268,181 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def micro_batches(per_replica: int, pp: int, pipeline_microbatches: int) -> list[int]:
-    """Micro-batches that divide the replica's samples per step; a pipeline also splits each into
-    ``parallel.microbatches``."""
-    step = pipeline_microbatches if pp > 1 else 1
-    return [m for m in _divisors(per_replica) if m % step == 0]
+def _pipelines(probe: Candidate, micro: int, layers: int, virtual: int = 2) -> list[tuple[int, str]]:
+    """(parallel.microbatches, pp_schedule) for a micro-step of ``micro`` samples: none without pp."""
+    if probe.pp == 1:
+        return [(1, "")]
+    out = []
+    for depth in PIPELINE_DEPTHS:
+        m = depth * probe.pp
+        if micro % m:
+            continue
+        for schedule in SCHEDULES:
+            if schedule == "interleaved_1f1b" and layers < virtual * probe.pp:  # parallel.virtual_stages
+                continue
+            out.append((m, schedule))
+    return out
 
 
-def _modes(cfg: Config, prof: Profile) -> tuple[str, ...]:
-    from hpctrain.planning.autosize import MODES  # torch: loaded only when auto is asked for
-
+def _modes(prof: Profile) -> tuple[str, ...]:
     return MODES if prof.block_params else ("none", "block")  # selective keeps matmul outputs: transformers
 
 
-def _rejected(cfg: Config, env: ClusterEnv, strategy: str, tp: int, pp: int, per_replica: int) -> str | None:
-    """Why the trainer's own checks refuse the layout (a tied embedding under pp, ...), or None."""
-    micro = micro_batches(per_replica, pp, cfg.parallel.microbatches)
+def _rejected(cfg: Config, prof: Profile, env: ClusterEnv, probe: Candidate, per_replica: int) -> str | None:
+    """Why the trainer's rules refuse the layout, or None. A declared model is checked torch-free
+    by the rules that read its shape; a measured one by the trainer's own checks (torch is loaded)."""
+    layers, virtual = len(prof.block_params), cfg.parallel.virtual_stages
+    micro = [m for m in _divisors(per_replica) if _pipelines(probe, m, layers, virtual)]
     if not micro:
-        return (f"the {per_replica} samples per replica and step do not split into parallel.microbatches="
-                f"{cfg.parallel.microbatches}")
-    probe = Candidate(strategy, tp, pp, env.world_size // (tp * pp), "none", micro[0], per_replica // micro[0],
-                      {}, 0, 0, False)
+        return (f"the {per_replica} samples per replica and step do not split into pipeline micro-batches of "
+                f"at least parallel.pp={probe.pp}")
+    first = _pipelines(probe, micro[0], layers, virtual)[0]
     quiet = replace(cfg, checkpoint=replace(cfg.checkpoint, enabled=False))  # no log line per probe
     try:
-        make_layout(apply(quiet, probe), env)
+        runs = apply(quiet, replace(probe, micro_batch=micro[0], grad_accum=per_replica // micro[0],
+                                    microbatches=first[0], schedule=first[1]))
+        if prof.builtin or probe.strategy == "deepspeed":  # importing DeepSpeed to check it costs seconds
+            _, topology = world_layout(runs, env)
+            return _shape_rules(runs, prof, topology)
+        make_layout(runs, env)
     except ConfigError as err:
         return str(err)
     return None
 
 
-def _best(options: list[Candidate]) -> Candidate:
-    """The fastest micro-batch that fits, else the one needing the least memory."""
-    fitting = [c for c in options if c.fits]
-    return max(fitting, key=_rank) if fitting else min(options, key=lambda c: c.total)
+def _shape_rules(cfg: Config, prof: Profile, topology: Topology) -> str | None:
+    """The strategies' own checks that a built-in transformer's shape answers (the trainer's
+    make_layout runs them again on the chosen plan): head counts under tp, a tied embedding or
+    too few blocks under pp, the combinations a strategy refuses (DeepSpeed's from its config
+    alone: installed is checked by the search)."""
+    p, shape = cfg.parallel, prof.shape
+    if p.strategy == "deepspeed" and cfg.precision == "fp8":
+        return "precision=fp8 is not available with parallel.strategy=deepspeed"
+    check_experts(cfg.model, p)  # a mixture of experts runs with data and expert parallelism only
+    if shape is None:
+        return None
+    if p.tp > 1 and cfg.precision == "fp16" and (topology.dp == 1 or p.strategy not in ("fsdp", "hsdp")):
+        return f"precision=fp16 with parallel.tp={p.tp} needs data parallelism under fsdp or hsdp"
+    if p.tp > 1 and cfg.train.compile and p.activation_checkpointing != "none":
+        return f"parallel.tp={p.tp} with train.compile=true cannot checkpoint activations"
+    if p.pp > 1:
+        stages = p.pp * (p.virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1)
+        if shape.tied:
+            return f"parallel.pp={p.pp}: the first and last stages cannot share the tied embedding"
+        if shape.layers < stages:
+            return f"parallel.pp={p.pp} makes {stages} pipeline stages, more than model.n_layers={shape.layers}"
+        if cfg.train.compile or p.meta_init or not cfg.data.drop_last:
+            return f"parallel.pp={p.pp} needs train.compile=false, parallel.meta_init=false and data.drop_last=true"
+    cp = getattr(p, "cp", 1)
+    if cp > 1 and (cfg.train.task not in ("auto", "causal_lm") or cfg.train.loss is not None or p.sequence_parallel
+                   or cfg.model.use_model_loss or shape.seq_len % (2 * cp)):
+        return (f"parallel.cp={cp} needs the causal-LM task's own loss, no sequence parallelism and model.seq_len "
+                f"a multiple of {2 * cp}")
+    if p.strategy == "zero1" and cfg.checkpoint.format == "dcp" and topology.world > 1 and cfg.checkpoint.enabled:
+        return "parallel.strategy=zero1 checkpoints with checkpoint.format=torch"
+    return None
 
 
-def _rank(c: Candidate) -> tuple[bool, float, int, int, int]:
-    """Fits, then throughput; ties: less model parallelism, less sharding, less recompute."""
-    return (c.fits, round(c.samples_per_s, 6), -c.tp * c.pp, -STRATEGIES.index(c.strategy),
-            -("none", "selective", "block").index(c.checkpointing))
+def _best_of_layout(cfg: Config, prof: Profile, machine: Machine, probe: Candidate, mode: str,
+                    per_replica: int) -> Candidate:
+    """The fastest plan of one layout and checkpointing mode that fits, else the one needing the
+    least memory. Memory grows and time falls with the micro-batch, so the largest micro-batch
+    that fits is the fastest of each pipeline setting: found by bisection."""
+    best: Candidate | None = None
+    smallest: Candidate | None = None
+    layers, virtual = len(prof.block_params), cfg.parallel.virtual_stages
+    micros = [m for m in _divisors(per_replica) if _pipelines(probe, m, layers, virtual)]
+    for pipeline in sorted({p for m in micros for p in _pipelines(probe, m, layers, virtual)}):
+        options = [m for m in micros if pipeline in _pipelines(probe, m, layers, virtual)]
+
+        made: dict[int, Candidate] = {}
+
+        def make(m: int, pipeline: tuple[int, str] = pipeline, made: dict[int, Candidate] = made) -> Candidate:
+            if m not in made:
+                made[m] = _candidate(cfg, prof, machine, probe, mode, m, per_replica // m, pipeline)
+            return made[m]
+
+        low = make(options[0])
+        if smallest is None or low.total < smallest.total:
+            smallest = low
+        if not low.fits:
+            continue
+        lo, hi = 0, len(options) - 1  # options[lo] fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if make(options[mid]).fits:
+                lo = mid
+            else:
+                hi = mid - 1
+        found = make(options[lo])
+        if best is None or _rank(found) > _rank(best):
+            best = found
+    assert smallest is not None
+    return best or smallest
 
 
-# ---------------------------------------------------------------- memory and time
+def _rank(c: Candidate) -> tuple[bool, float, int, int, bool, int]:
+    """Fits, then throughput; ties: less model parallelism, less sharding, no offload, less recompute."""
+    return (c.fits, round(c.samples_per_s, 6), -c.tp * c.pp * c.cp * c.ep, -STRATEGIES.index(c.strategy),
+            not c.cpu_offload, -MODES.index(c.checkpointing))
 
 
-def _candidate(cfg: Config, prof: Profile, machine: Machine, strategy: str, tp: int, pp: int, dp: int, mode: str,
-               micro: int, accum: int) -> Candidate:
-    memory = max((_stage_memory(cfg, prof, strategy, tp, pp, dp, mode, micro, stage, accum) for stage in range(pp)),
-                 key=lambda row: sum(row.values()))
-    seconds = _step_seconds(cfg, prof, machine, strategy, tp, pp, dp, mode, micro, accum)
-    return Candidate(strategy, tp, pp, dp, mode, micro, accum, memory, seconds, micro * accum * dp / seconds,
-                     sum(memory.values()) <= machine.usable)
+# ---------------------------------------------------------------- memory
+
+
+def _candidate(cfg: Config, prof: Profile, machine: Machine, probe: Candidate, mode: str, micro: int, accum: int,
+               pipeline: tuple[int, str]) -> Candidate:
+    c = replace(probe, checkpointing=mode, micro_batch=micro, grad_accum=accum, microbatches=pipeline[0],
+                schedule=pipeline[1])
+    if prof.declared:
+        memory = declared_memory(cfg, prof, machine, c)
+    else:
+        memory = max((_measured_memory(cfg, prof, c, stage) for stage in range(c.pp)),
+                     key=lambda row: sum(row.values()))
+    seconds = _step_seconds(cfg, prof, machine, c)
+    return replace(c, memory=memory, seconds=seconds, samples_per_s=micro * accum * c.dp / seconds,
+                   fits=sum(memory.values()) <= machine.usable)
+
+
+def memory_inputs(cfg: Config, prof: Profile, machine: Machine, c: Candidate) -> MemoryInputs:
+    """The declaration's inputs for candidate ``c`` of the built-in transformer ``prof``."""
+    assert prof.shape is not None
+    p = cfg.parallel
+    replicas = max(1, min(p.dp_replicate or machine_nodes(machine, c), c.dp)) if c.strategy == "hsdp" else 1
+    topology = _topology(c, replicas)
+    master = c.strategy == "deepspeed" and cfg.precision in ("bf16", "fp16")  # DeepSpeed's 16-bit optimizer
+    return MemoryInputs(
+        shape=prof.shape, topology=topology, strategy=c.strategy, deepspeed_stage=c.deepspeed_stage or 2,
+        precision=cfg.precision, amp_layout="master" if master else "autocast",
+        param_dtype_bytes=compute_bytes(resolve_param_dtype(p, cfg.precision)),
+        reduce_dtype_bytes=4 if p.reduce_dtype == "fp32" else 2,
+        optimizer_elements=float(_optimizer_elements(cfg)), micro_batch=c.micro_batch // c.microbatches,
+        grad_accum=c.grad_accum, reduce_every_microstep=p.reduce_every_microstep,
+        reshard_after_forward=p.reshard_after_forward, cpu_offload=c.cpu_offload,
+        recompute=recompute_of(c.checkpointing), sequence_parallel=p.sequence_parallel and c.tp > 1,
+        microbatches=c.microbatches, pp_schedule=c.schedule or "1f1b", attention=machine.attention,
+        vocab_parallel=prof.vocab_parallel, loss_parallel=False,
+        params=None if prof.builtin else float(prof.params))  # a measured model: its own count
+
+
+def machine_nodes(machine: Machine, c: Candidate) -> int:
+    """Nodes the candidate's ranks span (hsdp's replicas by default)."""
+    return max(1, c.dp * c.tp * c.pp * c.cp // max(1, machine.local))
+
+
+def _topology(c: Candidate, replicas: int) -> Topology:
+    kw: dict[str, int] = {"cp": c.cp} if c.cp > 1 else {}
+    if c.ep > 1:
+        kw["ep"] = c.ep
+    return Topology(pp=c.pp, dp_replicate=replicas, dp_shard=c.dp // replicas, tp=c.tp, **kw)
+
+
+def declared_memory(cfg: Config, prof: Profile, machine: Machine, c: Candidate) -> dict[str, float]:
+    """Bytes on the candidate's busiest rank, by part, from the strategies' declaration."""
+    m = strategy_memory(memory_inputs(cfg, prof, machine, c))
+    return {"params": m.weights, "grads": m.gradients, "optimizer": m.optimizer, "gathered": m.gathered,
+            "pipeline": m.pipeline_held, "activations": m.activations, "recomputed": m.recomputed,
+            "transient": m.transient}
 
 
 def _stage_blocks(prof: Profile, pp: int, stage: int) -> range:
@@ -262,7 +458,16 @@ def _stage_params(prof: Profile, tp: int, pp: int, stage: int) -> float:
     blocks = _stage_blocks(prof, pp, stage)
     held = sum(prof.block_params[i] - prof.block_split[i] * (1 - 1 / tp) for i in blocks)
     first, last = stage == 0, stage == pp - 1
-    return held + first * prof.first_params + last * prof.last_params - (first and last) * prof.shared_params
+    ends = first * prof.first_params + last * prof.last_params - (first and last) * prof.shared_params
+    return held + ends / (tp if prof.vocab_parallel else 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _busiest(prof: Profile, tp: int, pp: int) -> tuple[float, int]:
+    """(elements, blocks) of the pipeline stage that holds the most of each (a profile is hashed by
+    identity: one search asks this for every candidate of a layout)."""
+    return (max(_stage_params(prof, tp, pp, s) for s in range(pp)),
+            max(len(_stage_blocks(prof, pp, s)) for s in range(pp)))
 
 
 def _optimizer_elements(cfg: Config) -> int:
@@ -272,151 +477,177 @@ def _optimizer_elements(cfg: Config) -> int:
     return 2
 
 
-def _stage_memory(cfg: Config, prof: Profile, strategy: str, tp: int, pp: int, dp: int, mode: str, micro: int,
-                  stage: int, accum: int = 1) -> dict[str, float]:
+def _measured_memory(cfg: Config, prof: Profile, c: Candidate, stage: int) -> dict[str, float]:
+    """A model without a declared shape: the estimator's sharding rules over its measured pieces."""
     e = prof.param_bytes
     layout = StateLayout("auto", e, e, e * _optimizer_elements(cfg), 0)
-    weights, grads, optimizer = states_per_rank(_stage_params(prof, tp, pp, stage), layout, strategy, dp)
-    if strategy == "fsdp" and dp > 1 and accum > 1 and not cfg.parallel.reduce_every_microstep:
-        # inner micro-steps skip the reduce-scatter: whole gradients, in the reduce dtype, until the last
-        grads = _stage_params(prof, tp, pp, stage) * (4 if cfg.parallel.reduce_dtype == "fp32" else 2)
-    blocks = _stage_blocks(prof, pp, stage)
+    strategy = "zero3" if c.strategy in ("hsdp", "deepspeed") and c.deepspeed_stage in (0, 3) else \
+        {1: "zero1", 2: "zero2"}.get(c.deepspeed_stage, c.strategy)
+    params = _stage_params(prof, c.tp, c.pp, stage)
+    weights, grads, optimizer = states_per_rank(params, layout, strategy, c.dp)
+    if c.cpu_offload:
+        weights = grads = optimizer = 0.0
+    if strategy in ("fsdp", "zero3") and c.dp > 1 and c.grad_accum > 1 and not cfg.parallel.reduce_every_microstep:
+        grads = params * (4 if cfg.parallel.reduce_dtype == "fp32" else 2)  # whole until the last micro-step
+    blocks = _stage_blocks(prof, c.pp, stage)
     gathered = 0.0
-    if strategy == "fsdp" and dp > 1 and blocks:
+    if strategy in ("fsdp", "zero3") and c.dp > 1 and blocks:
         gather = compute_bytes(resolve_param_dtype(cfg.parallel, cfg.precision))
-        gathered = PREFETCHED_LAYERS * max(prof.block_params[i] for i in blocks) / tp * (gather + e)
+        gathered = PREFETCHED_LAYERS * max(prof.block_params[i] for i in blocks) / c.tp * (gather + e)
     return {"params": weights, "grads": grads, "optimizer": optimizer, "gathered": gathered,
-            "activations": _stage_activations(cfg, prof, tp, pp, mode, micro, stage)}
+            "activations": _measured_activations(cfg, prof, c, stage)}
 
 
 def _tp_share(cfg: Config, prof: Profile, tp: int, mode: str) -> float:
     """Of a block's saved bytes, the share one tp rank keeps (Korthikanti et al.'s split)."""
     if tp == 1 or prof.shape is None:
         return 1.0
-    kw = {"element_bytes": compute_bytes(cfg.precision), "recompute": _RECOMPUTE[mode],
+    kw = {"element_bytes": compute_bytes(cfg.precision), "recompute": recompute_of(mode),
           "sequence_parallel": cfg.parallel.sequence_parallel}
     return layer_bytes(prof.shape, 1, tp=tp, **kw) / layer_bytes(prof.shape, 1, tp=1, **kw)  # type: ignore[arg-type]
 
 
-def _stage_activations(cfg: Config, prof: Profile, tp: int, pp: int, mode: str, micro: int, stage: int) -> float:
-    saved, full = prof.saved[mode], prof.saved["none"]
-    blocks = _stage_blocks(prof, pp, stage)
-    per_sample = sum(saved.blocks[i] for i in blocks) * _tp_share(cfg, prof, tp, mode)
-    per_sample += (stage == 0) * saved.first + (stage == pp - 1) * saved.last
-    samples = micro * _in_flight(cfg, pp, stage) / (cfg.parallel.microbatches if pp > 1 else 1)
+def _measured_activations(cfg: Config, prof: Profile, c: Candidate, stage: int) -> float:
+    assert prof.saved is not None
+    saved, full = prof.saved[c.checkpointing], prof.saved["none"]
+    blocks = _stage_blocks(prof, c.pp, stage)
+    per_sample = sum(saved.blocks[i] for i in blocks) * _tp_share(cfg, prof, c.tp, c.checkpointing)
+    per_sample += (stage == 0) * saved.first + (stage == c.pp - 1) * saved.last
+    one = c.micro_batch / c.microbatches
+    in_flight = 1 if c.pp == 1 else c.microbatches if c.schedule == "gpipe" else min(c.pp - stage, c.microbatches)
     recompute = 0.0
-    if mode != "none" and blocks:  # the block being recomputed holds its full set during its backward
-        one = micro / (cfg.parallel.microbatches if pp > 1 else 1)
-        recompute = max(full.blocks[i] for i in blocks) * _tp_share(cfg, prof, tp, "none") * one
-    return per_sample * samples + recompute
+    if c.checkpointing != "none" and blocks:  # the block being recomputed holds its full set during its backward
+        recompute = max(full.blocks[i] for i in blocks) * _tp_share(cfg, prof, c.tp, "none") * one
+    return per_sample * one * in_flight + recompute
 
 
-def _in_flight(cfg: Config, pp: int, stage: int) -> int:
-    """Pipeline micro-batches a stage holds activations for: all of them under GPipe, at most
-    ``pp - stage`` under 1F1B (interleaved taken alike)."""
-    if pp == 1:
-        return 1
-    m = cfg.parallel.microbatches
-    return m if cfg.parallel.pp_schedule == "gpipe" else min(pp - stage, m)
+# ---------------------------------------------------------------- time
 
 
-def _step_seconds(cfg: Config, prof: Profile, machine: Machine, strategy: str, tp: int, pp: int, dp: int,
-                  mode: str, micro: int, accum: int) -> float:
-    samples = micro * accum
-    recompute = {"none": 0.0, "selective": SELECTIVE_SHARE / 3, "block": 1 / 3}[mode] * prof.block_flops_per_sample
-    compute = (prof.flops_per_sample + recompute) * samples / (tp * pp) / machine.flops
-    pipeline_steps = cfg.parallel.microbatches if pp > 1 else 1
-    overhead = accum * pipeline_steps * prof.modules / pp * MODULE_COST_S[machine.kind]
-    bubble = compute * (pp - 1) / pipeline_steps
-    return compute + overhead + bubble + _exposed_comm(cfg, prof, machine, strategy, tp, pp, dp, micro, accum,
-                                                       compute)
+def _step_seconds(cfg: Config, prof: Profile, machine: Machine, c: Candidate) -> float:
+    samples = c.micro_batch * c.grad_accum
+    compute = _stage_flops(prof, c) * samples / (c.tp * c.cp) / machine.flops
+    steps = c.grad_accum * c.microbatches
+    hooks = DEEPSPEED_HOOKS if c.strategy == "deepspeed" else 1.0
+    overhead = steps * prof.modules / c.pp * MODULE_COST_S[machine.kind] * hooks
+    virtual = cfg.parallel.virtual_stages if c.schedule == "interleaved_1f1b" else 1
+    bubble = compute * (c.pp - 1) / (c.microbatches * virtual)
+    return compute + overhead + bubble + _offload_seconds(cfg, prof, c) + \
+        _exposed_comm(cfg, prof, machine, c, compute)
 
 
-def _exposed_comm(cfg: Config, prof: Profile, machine: Machine, strategy: str, tp: int, pp: int, dp: int,
-                  micro: int, accum: int, compute: float) -> float:
+def _stage_flops(prof: Profile, c: Candidate) -> float:
+    """FLOPs per sample of the slowest pipeline stage, which sets the pace: its blocks (with their
+    recomputation) and, on the last, the head and loss (a large vocabulary makes it the heaviest)."""
+    recompute = {"none": 0.0, "selective": SELECTIVE_SHARE / 3, "block": 1 / 3}[c.checkpointing]
+    blocks = prof.block_flops_per_sample * (1 + recompute)
+    ends = prof.flops_per_sample - prof.block_flops_per_sample
+    if c.pp == 1 or not prof.block_params:
+        return blocks + ends
+    per_block = blocks / len(prof.block_params)
+    counts = stage_layers(len(prof.block_params), c.pp)
+    return max(n * per_block + (i == c.pp - 1) * ends for i, n in enumerate(counts))
+
+
+def _offload_seconds(cfg: Config, prof: Profile, c: Candidate) -> float:
+    """cpu offload: the shard's parameters up and gradients down each micro-step, and the host's
+    optimizer step, none of it hidden."""
+    if not c.cpu_offload:
+        return 0.0
+    shard = _busiest(prof, c.tp, c.pp)[0] / c.dp
+    gather = compute_bytes(resolve_param_dtype(cfg.parallel, cfg.precision))
+    return shard * (gather + 4) * c.grad_accum / HOST_LINK + shard / HOST_ADAM
+
+
+def _dp_bytes(cfg: Config, prof: Profile, c: Candidate) -> float:
+    """Bytes one rank's data-parallel collectives move per step (ring: 2(n-1)/n of an all-reduce)."""
     e = prof.param_bytes
-    params = max(_stage_params(prof, tp, pp, s) for s in range(pp))
-    ring = (dp - 1) / dp
-    if strategy == "ddp":
-        moved = 2 * ring * params * e
-    elif strategy == "zero1":
-        moved = 3 * ring * params * e
-    else:
-        gather = compute_bytes(resolve_param_dtype(cfg.parallel, cfg.precision))
-        passes = 2 if cfg.parallel.reshard_after_forward else 1
-        reduces = accum if cfg.parallel.reduce_every_microstep else 1  # reduce-scatters per step
-        moved = ring * params * (passes * gather * accum + reduces * (4 if cfg.parallel.reduce_dtype == "fp32" else 2))
-    dp_link = machine.intra if dp * tp * pp <= machine.local else machine.inter
+    params = _busiest(prof, c.tp, c.pp)[0]
+    ring = (c.dp - 1) / c.dp
+    if c.strategy == "ddp":
+        return 2 * ring * params * e
+    if c.strategy == "zero1" or (c.strategy == "deepspeed" and c.deepspeed_stage < 3):
+        return 3 * ring * params * e
+    gather = compute_bytes(resolve_param_dtype(cfg.parallel, cfg.precision))
+    passes = 2 if cfg.parallel.reshard_after_forward else 1
+    reduces = c.grad_accum if cfg.parallel.reduce_every_microstep else 1  # reduce-scatters per step
+    reduce = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
+    return ring * params * (passes * gather * c.grad_accum + reduces * reduce)
+
+
+def _exposed_comm(cfg: Config, prof: Profile, machine: Machine, c: Candidate, compute: float) -> float:
+    dp_link = machine.intra if c.dp * c.tp * c.pp * c.cp <= machine.local else machine.inter
+    moved = _dp_bytes(cfg, prof, c)
     exposed = max(0.0, moved / dp_link - compute * 2 / 3)  # overlapped with the backward
     shape = prof.shape
     if shape is None:
         return exposed
-    activation = shape.seq_len * micro * shape.hidden * compute_bytes(cfg.precision)
-    layers = max(len(_stage_blocks(prof, pp, s)) for s in range(pp))
-    tp_time = 4 * 2 * (tp - 1) / tp * activation * layers * accum / machine.intra
-    pp_time = (2 * activation * accum / machine.intra) if pp > 1 else 0.0
-    return exposed + tp_time + pp_time
-
-
-def detect_machine(cfg: Config, env: ClusterEnv) -> Machine:
-    """The budget (``parallel.memory_budget_gb``, else the GPU's total memory) and nominal rates."""
-    import torch
-
-    budget_gb = cfg.parallel.memory_budget_gb
-    margin = 1 - cfg.parallel.memory_margin
-    if torch.cuda.is_available():  # the trainer's device
-        index = env.local_rank % torch.cuda.device_count()
-        props = torch.cuda.get_device_properties(index)
-        budget = budget_gb * 1e9 if budget_gb is not None else float(props.total_memory)
-        return Machine("cuda", props.name, budget, budget * margin, _gpu_flops(props.name, cfg.precision),
-                       150e9, 20e9, env.local_world_size)
-    if budget_gb is None:
-        raise ConfigError("parallel.strategy=auto on CPU needs parallel.memory_budget_gb (the memory one rank may "
-                          "use, in GB); hint: parallel.memory_budget_gb=8")
-    return Machine("cpu", "cpu", budget_gb * 1e9, budget_gb * 1e9 * margin, 50e9, 2e9, 2e9, env.local_world_size)
-
-
-def _gpu_flops(name: str, precision: str) -> float:
-    """40% of the estimator's dense peak for a GPU it knows (the estimator's default MFU), else 100 TFLOP/s."""
-    key = next((k for k in ACCELERATORS if k.split("-")[0] in name.lower()), None)
-    if key is None:
-        return 100e12
-    peak = ACCELERATORS[key].tflops.get(precision if precision in ("bf16", "fp16") else "fp32")
-    return 100e12 if peak is None else 0.4 * peak * 1e12  # None: no such path (bf16 on a V100)
+    e = compute_bytes(cfg.precision)
+    activation = shape.seq_len / c.cp * c.micro_batch * shape.hidden * e
+    layers = _busiest(prof, c.tp, c.pp)[1]
+    tp_time = 4 * 2 * (c.tp - 1) / c.tp * activation * layers * c.grad_accum / machine.intra
+    pp_time = (2 * activation * c.grad_accum / machine.intra) if c.pp > 1 else 0.0
+    # cp: each block all-gathers the keys and values of the group (forward) and reduce-scatters their
+    # gradients (backward), half of it hidden behind attention
+    kv = 2 * shape.seq_len * c.micro_batch * shape.kv_dim * e / c.tp
+    cp_time = 2 * (c.cp - 1) / c.cp * kv * layers * c.grad_accum / machine.intra / 2
+    # ep: each token's hidden state to its top_k experts' ranks and back, forward and backward
+    ep_time = 4 * (c.ep - 1) / c.ep * activation * shape.top_k * layers * c.grad_accum / \
+        (machine.intra if c.ep <= machine.local else machine.inter)
+    return exposed + tp_time + pp_time + cp_time + ep_time
 
 
 # ---------------------------------------------------------------- reporting
 
 
-def _size(nbytes: float) -> str:
+def size(nbytes: float) -> str:
+    """Bytes for people: 1,580 GB, not 1.58e+03 GB."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if nbytes >= scale:
-            return f"{sig3(nbytes / scale)} {unit}"  # 1,580 GB, not 1.58e+03 GB
+            return f"{sig3(nbytes / scale)} {unit}"
     return f"{nbytes:.0f} B"
 
 
-def _what(c: Candidate) -> str:
+def describe(c: Candidate) -> str:
     return (f"{c.label}, activation_checkpointing={c.checkpointing}, micro-batch {c.micro_batch} x "
             f"{c.grad_accum} micro-steps")
 
 
-def _none_fits(cfg: Config, env: ClusterEnv, machine: Machine, smallest: Candidate) -> str:
+def _none_fits(cfg: Config, env: ClusterEnv, machine: Machine, candidates: list[Candidate]) -> str:
+    """One message: what was given, the smallest need and what it is made of, and what would help."""
+    smallest = min(candidates, key=lambda c: c.total)
     given = (f"parallel.memory_budget_gb={cfg.parallel.memory_budget_gb:g}" if cfg.parallel.memory_budget_gb
-             is not None else f"the {machine.name}'s {_size(machine.budget)}")
-    return (f"parallel.strategy=auto: no plan fits {given} on {env.world_size} ranks ({_size(machine.usable)} per "
+             is not None else f"the {machine.name}'s {size(machine.budget)}")
+    parts = ", ".join(f"{k} {size(v)}" for k, v in sorted(smallest.memory.items(), key=lambda kv: -kv[1]) if v)
+    need_gb = smallest.total / (1 - cfg.parallel.memory_margin) / 1e9
+    helps = [f"a GPU with at least {sig3(need_gb)} GB (parallel.target_gpu, or parallel.memory_budget_gb)"]
+    offload = [c for c in candidates if c.cpu_offload]
+    if smallest.cpu_offload:
+        helps.append("parallel.cpu_offload=true is in that need already (its states live in host memory)")
+    elif offload:
+        helps.append(f"parallel.cpu_offload=true (needs {size(min(c.total for c in offload))})")
+    elif machine.kind == "cuda":
+        helps.append("parallel.cpu_offload=true with parallel.strategy=fsdp (not possible in this layout)")
+    helps.append(f"more ranks than {env.world_size} (fsdp shards the states over all of them)")
+    if smallest.memory.get("activations", 0) > smallest.total / 4:
+        helps.append("a smaller data.global_batch_size or model.seq_len (activations are "
+                     f"{size(smallest.memory['activations'])})")
+    return (f"parallel.strategy=auto: no plan fits {given} on {env.world_size} ranks ({size(machine.usable)} per "
             f"rank after parallel.memory_margin={cfg.parallel.memory_margin:g}); the smallest need is "
-            f"{_size(smallest.total)} per rank ({_what(smallest)}); hint: raise parallel.memory_budget_gb, use more "
-            "ranks, or a smaller model or model.seq_len")
+            f"{size(smallest.total)} per rank ({describe(smallest)}: {parts}); hint: " + "; or ".join(helps))
 
 
 def candidate_rows(choice: Choice) -> list[dict[str, Any]]:
-    """The table as data (``hpctrain plan --json``): every candidate, the chosen one marked."""
+    """The table as data (``hpctrain plan --json``): every candidate, the chosen one marked; bytes
+    as integers, rates rounded (no exponents)."""
     rows = []
     for c in choice.candidates:
-        row = {k: v for k, v in asdict(c).items() if k != "memory"}
-        rows.append({**row, "memory_bytes": c.memory, "total_bytes": c.total, "chosen": c == choice.chosen,
-                     "tokens_per_s": None if choice.tokens_per_sample is None
-                     else c.samples_per_s * choice.tokens_per_sample})
+        row = {k: v for k, v in asdict(c).items() if k not in ("memory", "seconds", "samples_per_s")}
+        rate = c.samples_per_s * (choice.tokens_per_sample or 1)
+        rows.append({**row, "label": c.label, "memory_bytes": {k: round(v) for k, v in c.memory.items()},
+                     "total_bytes": round(c.total), "memory": size(c.total), "step_seconds": float(f"{c.seconds:.4g}"),
+                     "samples_per_s": round(c.samples_per_s, 3), "chosen": c == choice.chosen,
+                     "tokens_per_s": None if choice.tokens_per_sample is None else round(rate)})
     return rows
 
 
@@ -424,25 +655,60 @@ def render(choice: Choice) -> str:
     m, c = choice.machine, choice.chosen
     rate = "tokens/s" if choice.tokens_per_sample else "samples/s"
     scale = choice.tokens_per_sample or 1
-    lines = [f"parallel.strategy=auto: {c.dp * c.tp * c.pp} ranks ({m.local} per node), budget {_size(m.budget)} "
-             f"per rank on {m.name} ({_size(m.usable)} usable), global batch {choice.global_batch}",
-             f"  {'plan':<16} {'checkpointing':<13} {'micro x accum':>13} {'memory/rank':>12} {'fits':>4} "
+    lines = [f"parallel.strategy=auto: {c.dp * c.tp * c.pp * c.cp} ranks ({m.local} per node), budget "
+             f"{size(m.budget)} per rank on {m.name} ({size(m.usable)} usable, {m.attention} attention), global "
+             f"batch {choice.global_batch}",
+             f"  {'plan':<26} {'checkpointing':<13} {'micro x accum':>13} {'memory/rank':>12} {'fits':>4} "
              f"{'est. ' + rate:>16}"]
     for row in choice.candidates:
         mark = "  <- chosen" if row == c else ""
-        lines.append(f"  {row.label:<16} {row.checkpointing:<13} {f'{row.micro_batch} x {row.grad_accum}':>13} "
-                     f"{_size(row.total):>12} {'yes' if row.fits else 'no':>4} "
+        lines.append(f"  {row.label:<26} {row.checkpointing:<13} {f'{row.micro_batch} x {row.grad_accum}':>13} "
+                     f"{size(row.total):>12} {'yes' if row.fits else 'no':>4} "
                      f"{row.samples_per_s * scale:>16,.0f}{mark}")
-    lines += [f"  {label:<16} rejected: {why}" for label, why in choice.rejected.items()]
-    lines.append(f"chosen: {_what(c)}: the highest estimated throughput of the {sum(r.fits for r in choice.candidates)}"
-                 f" plans that fit; estimated {_size(c.total)} per rank (" +
-                 ", ".join(f"{k} {_size(v)}" for k, v in c.memory.items() if v) + ")")
-    lines.append("config: " + " ".join(overrides(c, choice.config)))
+    lines += [f"  {label:<26} rejected: {why}" for label, why in choice.rejected.items()]
+    lines.append(f"chosen: {describe(c)}: the highest estimated throughput of the "
+                 f"{sum(r.fits for r in choice.candidates)} plans that fit; estimated {size(c.total)} per rank (" +
+                 ", ".join(f"{k} {size(v)}" for k, v in c.memory.items() if v) + ")")
+    lines += [f"why: {line}" for line in _why(choice)]
+    lines.append("config: " + " ".join(overrides(c, choice.config, m)))
     return "\n".join(lines)
 
 
-def overrides(c: Candidate, cfg: Config) -> list[str]:
-    """The chosen values as command-line keys."""
+def _why(choice: Choice) -> list[str]:
+    """Context and expert parallelism explained where they were considered."""
+    c, out = choice.chosen, []
+    tried = {dim: any(getattr(r, dim) > 1 for r in choice.candidates) or
+             any(word.startswith(dim) for label in choice.rejected for word in label.split()) for dim in ("cp", "ep")}
+    if c.cp > 1:
+        out.append(f"cp{c.cp}: the sequence is split over {c.cp} ranks, each keeping 1/{c.cp} of its activations, for "
+                   "an all-gather of the keys and values in every block")
+    elif tried["cp"]:
+        out.append(f"context parallel was considered (sequences of {choice.tokens_per_sample:,} tokens) and not "
+                   "chosen: the plan fits without it, and its key/value traffic costs more than the data-parallel "
+                   "ranks it takes")
+    if c.ep > 1:
+        out.append(f"ep{c.ep}: each rank holds 1/{c.ep} of the experts; tokens reach them by all-to-all")
+    elif tried["ep"]:
+        out.append("expert parallel was considered (a mixture of experts) and not chosen: the experts fit sharded by "
+                   "the data-parallel strategy, and its all-to-alls cost more than they save")
+    return out
+
+
+def overrides(c: Candidate, cfg: Config, machine: Machine | None = None) -> list[str]:
+    """The chosen values as command-line keys (with the target machine, so the job plans alike)."""
     keys = [f"parallel.strategy={c.strategy}", f"parallel.tp={c.tp}", f"parallel.pp={c.pp}",
             f"parallel.activation_checkpointing={c.checkpointing}", f"data.batch_size={c.micro_batch}"]
-    return keys + ([] if cfg.data.global_batch_size is not None else [f"train.grad_accum={c.grad_accum}"])
+    if c.strategy == "deepspeed":
+        keys.append(f"parallel.deepspeed_stage={c.deepspeed_stage}")
+    if c.cpu_offload:
+        keys.append("parallel.cpu_offload=true")
+    if c.pp > 1:
+        keys += [f"parallel.microbatches={c.microbatches}", f"parallel.pp_schedule={c.schedule}"]
+    keys += [f"parallel.{dim}={getattr(c, dim)}" for dim in ("cp", "ep") if getattr(c, dim) > 1]
+    keys += [] if cfg.data.global_batch_size is not None else [f"train.grad_accum={c.grad_accum}"]
+    if machine is not None and machine.target is not None:  # the machine, as the job must name it to agree
+        p = cfg.parallel
+        keys.append(f"parallel.target_gpu={machine.target}")
+        keys += [f"parallel.{key}={getattr(p, key):g}" for key in ("memory_budget_gb", "target_peak_tflops")
+                 if getattr(p, key) is not None]
+    return keys

@@ -1,5 +1,7 @@
-"""What ``parallel.strategy=auto`` knows of a model: it is built on the meta device (no memory,
-no compute) and measured once, per piece a plan can place on a rank: the parameters of the
+"""What ``parallel.strategy=auto`` knows of a model without a declared shape (the CNNs, users'
+models from ``model.input_shape``; the built-in transformers are their shape alone,
+:mod:`hpctrain.planning.profile`): it is built on the meta device (no memory, no compute) and
+measured once, per piece a plan can place on a rank: the parameters of the
 part before the transformer blocks (embeddings), of each block (and the share tensor
 parallelism splits) and of the part after them (final norm, head); the bytes autograd saves
 for backward in each piece under every activation-checkpointing mode; and the FLOPs of one
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +34,7 @@ from hpctrain.models.family import family_of
 from hpctrain.models.shape import TransformerShape
 from hpctrain.models.user import CAUSAL_LM
 from hpctrain.parallel.checkpointing import _SAVE, apply_activation_checkpointing
+from hpctrain.planning.profile import Profile, Saved
 from hpctrain.telemetry import measure
 
 if TYPE_CHECKING:
@@ -42,56 +44,15 @@ MODES = ("none", "selective", "block")  # parallel.activation_checkpointing
 SAMPLES = 2  # measured at two samples (a batch norm needs more than one), reported per sample
 
 
-@dataclass(frozen=True)
-class Saved:
-    """Bytes saved for backward per sample: before the blocks, in each block, after them (with the loss)."""
-
-    first: float
-    blocks: tuple[float, ...]
-    last: float
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    first_params: int  # elements before the blocks (a model without blocks: all of them)
-    block_params: tuple[int, ...]
-    block_split: tuple[int, ...]  # of each block's elements, those tensor parallelism splits
-    last_params: int
-    shared_params: int  # in both end pieces (tied embeddings): held once when one rank holds both
-    param_bytes: int  # bytes per parameter element (fp32 masters: 4)
-    saved: dict[str, Saved]  # by activation-checkpointing mode
-    flops_per_sample: float  # forward + backward
-    block_flops_per_sample: float  # forward + backward of all blocks (recomputed under block checkpointing)
-    modules: int  # leaf modules: a proxy for kernels per forward
-    shape: TransformerShape | None  # for the tensor-parallel split of activations and its traffic
-    tokens_per_sample: int | None  # causal LM: the sequence length
-
-    @property
-    def params(self) -> int:
-        return self.first_params + sum(self.block_params) + self.last_params - self.shared_params
-
-    @property
-    def tensor_parallel(self) -> bool:
-        """Can tensor parallelism split the blocks (Linears named as the tp plan expects)?"""
-        return bool(self.block_split) and all(self.block_split) and self.shape is not None
-
-
 def profile(cfg: Config) -> Profile:
     """Build ``cfg.model`` on the meta device and measure it; ConfigError for a model whose input is unknown."""
-    spec = REGISTRY.get(cfg.model.name)
-    if spec is None:
-        raise ConfigError(f"parallel.strategy=auto sizes the registered models (hpctrain models); model.name="
-                          f"{cfg.model.name} declares no input shape to measure it with; hint: choose "
-                          "parallel.strategy yourself (`hpctrain estimate --model NAME` sizes it per strategy)")
-    tokens = spec.input_dtype == torch.long
-    sample = (cfg.model.seq_len,) if tokens else spec.input_shape
-    classes = cfg.model.num_classes or spec.num_classes
+    sample, dtype, classes = _input(cfg)
+    tokens = dtype == torch.long
 
     def factory() -> nn.Module:
         return build_model(cfg.model.name, classes, config=cfg.model, task=CAUSAL_LM if tokens else None)
 
-    x = torch.zeros((SAMPLES, *sample), dtype=spec.input_dtype, device="meta")
+    x = torch.zeros((SAMPLES, *sample), dtype=dtype, device="meta")
     element = compute_bytes(cfg.precision)
     saved = {mode: _saved(_checkpointed(measure.on_meta(factory), mode), x, element, tokens, mode) for mode in MODES}
     model = measure.on_meta(factory)
@@ -102,7 +63,27 @@ def profile(cfg: Config) -> Profile:
     return Profile(cfg.model.name, _numel(first), tuple(_numel([b]) for b in blocks), split, _numel(last), shared,
                    next(model.parameters()).element_size(), saved, flops, block_flops,
                    sum(1 for m in model.modules() if not any(True for _ in m.children())),
-                   _shape(model, cfg) if blocks else None, cfg.model.seq_len if tokens else None)
+                   _shape(model, cfg) if blocks else None, sample[0] if tokens else None)
+
+
+def _input(cfg: Config) -> tuple[tuple[int, ...], torch.dtype, int]:
+    """One sample's shape and dtype and the class count: a registered model's own; a user's from
+    ``model.input_shape`` (token ids of that length under ``train.task=causal_lm``, else a float
+    tensor); ConfigError when a user's model gives none."""
+    spec = REGISTRY.get(cfg.model.name)
+    given = getattr(cfg.model, "input_shape", None)
+    if spec is not None:
+        tokens = spec.input_dtype == torch.long
+        return ((cfg.model.seq_len,) if tokens else spec.input_shape), spec.input_dtype, \
+            cfg.model.num_classes or spec.num_classes
+    if not given:
+        raise ConfigError(f"parallel.strategy=auto sizes a user's model from one sample's shape; model.name="
+                          f"{cfg.model.name} declares no input shape to measure it with; hint: "
+                          "model.input_shape=[3,224,224] (an image) or [SEQ_LEN] (token ids), or choose "
+                          "parallel.strategy yourself")
+    shape = tuple(int(d) for d in given)
+    tokens = cfg.train.task == CAUSAL_LM and len(shape) == 1
+    return shape, (torch.long if tokens else torch.float32), cfg.model.num_classes or cfg.model.vocab or 10
 
 
 def _pieces(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module], list[nn.Module]]:

@@ -89,9 +89,7 @@ def make_layout(cfg: Config, env: ClusterEnv) -> tuple[Config, RunLayout]:
     if p.strategy == AUTO:
         raise ConfigError("parallel.strategy=auto is chosen before the layout; hint: cfg = "
                           "hpctrain.planning.auto.resolve_auto(cfg, env), then make_layout(cfg, env)")
-    topo = check_topology(p, env.world_size, num_nodes=env.num_nodes)  # a world that is not dp x tp x pp: exit 2
-    check_world(cfg, topo.dp)  # the global batch is split over the dp replicas only
-    cfg = for_world(cfg, topo.dp)
+    cfg, topo = world_layout(cfg, env)
     name = strategy_name(p)
     kind = strategy_class(name)
     fmt = kind.checkpoint_format(p)
@@ -105,6 +103,14 @@ def make_layout(cfg: Config, env: ClusterEnv) -> tuple[Config, RunLayout]:
     check_model_layout(cfg, topo)
     kind.check(cfg, topo)
     return cfg, layout
+
+
+def world_layout(cfg: Config, env: ClusterEnv) -> tuple[Config, Topology]:
+    """The checks of :func:`make_layout` that need only the world (no strategy class, no torch):
+    the topology and the batch split over its data-parallel replicas; the config with the split."""
+    topo = check_topology(cfg.parallel, env.world_size, num_nodes=env.num_nodes)  # not dp x tp x pp: exit 2
+    check_world(cfg, topo.dp)  # the global batch is split over the dp replicas only
+    return for_world(cfg, topo.dp), topo
 
 
 def check_model_layout(cfg: Config, topology: Topology) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -136,12 +137,15 @@ def _killed_mid_epoch(root: Path, name: str, keys: list[str]) -> None:
     assert not (run / "summary.json").exists()
 
 
-def test_two_ranks_from_s3_as_from_local_and_the_node_cache_and_sigkill_resumes_bit_identical(shards: Shards) -> None:
+def test_two_ranks_from_s3_as_from_local_and_the_node_cache_and_sigkill_resumes_exactly_at_2_and_1_ranks(
+        shards: Shards) -> None:
     """One launch killed mid-epoch, then one pair of forked ranks trains every case: from s3, from the
     local twin, through the node-local cache, and the killed job again (resume=auto)."""
     stage = shards.tmp / "stage"
-    resumed = [*BASE, f"data.path={shards.url}", "checkpoint.every_steps=3"]
+    # the global batch named, so the same checkpoint also resumes at one rank (2 micro-steps of 4)
+    resumed = [*BASE, f"data.path={shards.url}", "checkpoint.every_steps=3", "data.global_batch_size=8"]
     _killed_mid_epoch(shards.tmp, "killed", resumed)
+    shutil.copytree(shards.tmp / "killed", shards.tmp / "elastic")  # the same checkpoint, for world size 1
     plain = [*BASE, "checkpoint.enabled=false"]
     cases = [("s3", [*plain, f"data.path={shards.url}"]),
              ("local", [*plain, f"data.path={shards.local}"]),
@@ -153,7 +157,15 @@ def test_two_ranks_from_s3_as_from_local_and_the_node_cache_and_sigkill_resumes_
     assert got["s3"]["steps"] == 24 and got["s3"]["val_count"] == 16
     staged = {p.name for p in stage.glob("hpctrain-shards-*/*.tar")}
     assert staged == {f"{s}-{i:06d}.tar" for s, n in N.items() for i in range(-(-n // 32))}
-    for name in ("s3", "staged", "killed"):  # credentials are never written into a run directory
+    # elastic: the 2-rank job's checkpoint resumed from s3 by one rank takes the samples the two would
+    # have (the position is global), so it ends where they end, up to the order of the float sums
+    keys = ("steps", "val_count", "val_loss")
+    one = train_cases(1, [("elastic", resumed)], shards.tmp, keep=keys)[0]["elastic"]
+    two = json.loads((shards.tmp / "killed" / "summary.json").read_text())
+    assert isinstance(one, dict), one
+    assert (one["steps"], one["val_count"]) == (24, 16)
+    assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-4)
+    for name in ("s3", "staged", "killed", "elastic"):  # credentials are never written into a run directory
         for f in (shards.tmp / name).rglob("*"):
             assert not f.is_file() or SECRET_KEY.encode() not in f.read_bytes(), f
 

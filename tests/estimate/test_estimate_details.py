@@ -178,3 +178,17 @@ def test_a_closed_pipe_exits_141_without_a_traceback():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == EXIT_PIPE
     assert err == ""  # neither "internal error" nor Python's "Exception ignored ... BrokenPipeError" at exit
+
+
+def test_context_parallel_divides_the_activations_and_fsdp_shards_over_dp_x_cp(capsys):
+    """--cp 4 on 8 GPUs at 131,072 tokens: dp 2 x cp 4, each GPU holding a quarter of the tokens."""
+    llama3 = ["--hf-config", str(CONFIGS / "llama-3-8b.json"), "--seq-len", "131072", "--gpus", "8",
+              "--strategy", "fsdp", "--activation-checkpointing", "full"]
+    one, _ = _json(capsys, *llama3)
+    four, _ = _json(capsys, *llama3, "--cp", "4")
+    assert (four["parallel"]["dp"], four["parallel"]["cp"], one["parallel"]["dp"]) == (2, 4, 8)
+    a, b = one["memory"]["declared"], four["memory"]["declared"]
+    assert b["weights"] == a["weights"] and b["optimizer"] == a["optimizer"]  # sharded over 8 ranks either way
+    assert b["activations"] == pytest.approx(a["activations"] / 4, rel=0.02)
+    assert main(["estimate", *llama3, "--cp", "3"]) == 2
+    assert "--cp 3 = 3 does not divide --gpus 8" in capsys.readouterr().err

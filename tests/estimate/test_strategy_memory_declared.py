@@ -7,8 +7,9 @@ strategy, ``setup``, ``micro_step`` / ``optimizer_step``), measured by the run's
 declaration for that rank's pipeline stage: weights + gradients + optimizer within 10%,
 activations within 20%. One launch per world size runs every cell.
 
-DeepSpeed (ZeRO 2 and 3) cells run at 2 ranks only: its engine takes ~1-2 s to build per cell on
-these ranks (and ~10 s to import), which at 4 ranks on 2 cores would double the test's time.
+ddp, zero1, fsdp and fsdp + offload run at both world sizes. DeepSpeed (ZeRO 2 and 3) cells run at
+2 ranks only: its engine takes ~1-2 s to build per cell on these ranks (and ~10 s to import), which
+at 4 ranks on 2 cores would double the test's time.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ DEEPSPEED: list[tuple[str, dict[str, Any]]] = [
     ("deepspeed3", {"strategy": "deepspeed", "deepspeed_stage": 3}),
 ]
 AT_4: list[tuple[str, dict[str, Any]]] = [
-    ("fsdp", {"strategy": "fsdp"}), ("hsdp2x2", {"strategy": "hsdp", "dp_replicate": 2}),
+    ("ddp", {"strategy": "ddp"}), ("zero1", {"strategy": "zero1"}),
+    ("fsdp", {"strategy": "fsdp"}), ("fsdp+offload", {"strategy": "fsdp", "cpu_offload": True}),
+    ("hsdp2x2", {"strategy": "hsdp", "dp_replicate": 2}),
     ("dp2xtp2", {"strategy": "fsdp", "tp": 2}),
     ("pp2xdp2", {"strategy": "fsdp", "pp": 2, "microbatches": 4}),
 ]

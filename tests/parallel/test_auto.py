@@ -95,7 +95,7 @@ def test_hpctrain_plan_prints_the_candidates_and_the_choice(capsys):
     rows = [line for line in lines if line.startswith("  ddp dp2 ")]
     assert len(rows) == 3 and all(" no " in row for row in rows)  # none, selective, block: none fits
     assert sum("<- chosen" in line for line in lines) == 1
-    assert "  pp2              rejected: parallel.pp=2: the first and last stages cannot share the tied" in out
+    assert f"  {'pp2':<26} rejected: parallel.pp=2: the first and last stages cannot share the tied" in out
     assert lines[-1].startswith("config: parallel.strategy=") and "data.batch_size=" in lines[-1]
     assert main(["plan", "-n", "2", *MODEL]) == 2  # no budget on CPU: exit 2
     assert "parallel.memory_budget_gb" in capsys.readouterr().err
