@@ -469,7 +469,7 @@ def _validate(loop: Loop) -> None:
     loop.tel.loggers.log(row)
     if loop.env.is_main:
         shown = ("val_loss", "val_perplexity", "val_accuracy", "val_count")
-        log.info("step %d  %s", row["step"], "  ".join(f"{k} {row[k]:.4g}" for k in shown if k in row))
+        log.info("step %d  %s", row["step"], "  ".join(f"{k} {_shown(row[k])}" for k in shown if k in row))
     name = best_metric(loop.cfg, parts.task)
     if _improved(loop.cfg, name, row, result.best):
         result.best = {"metric": name, "value": row[name], "step": row["step"]}
