@@ -156,9 +156,11 @@ class Checkpointer:
             with heartbeat.during(heartbeat.RESUMING), \
                     self.signals.interrupting("the resume", self._preempted_in_resume):
                 resumed = self._resume(spec)
-        # every rank alike: a tier holding a newer run's checkpoints is refused before training
-        agree("checking checkpoint.remote", lambda: self.remote.check_past(self.counters.step, spec)
-              if self.remote is not None else None)
+        # every rank alike: a tier holding a newer run's checkpoints is refused before training (the
+        # config, not self.remote, decides: only rank 0 holds the uploader; no tier, no collective)
+        if self.config.remote is not None:
+            agree("checking checkpoint.remote", lambda: self.remote.check_past(self.counters.step, spec)
+                  if self.remote is not None else None)
         if self.remote is not None and spec == "auto":
             self.remote.catch_up()  # what the previous job left un-uploaded goes up now
         return resumed

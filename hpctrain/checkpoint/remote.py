@@ -267,12 +267,6 @@ class UploadStats:
     uploaded: list[int] = field(default_factory=list)  # steps, in order
     failed: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)   # replaced in a full queue by a newer checkpoint
-    bytes: int = 0
-    last_lag_s: float | None = None  # local commit -> remote commit of the newest upload
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"uploaded": list(self.uploaded), "failed": list(self.failed), "skipped": list(self.skipped),
-                "bytes": self.bytes, "last_lag_s": self.last_lag_s}
 
 
 class Uploader:
@@ -357,8 +351,6 @@ class Uploader:
             return
         now = time.monotonic()
         self.stats.uploaded.append(job.step)
-        self.stats.bytes += nbytes
-        self.stats.last_lag_s = round(now - job.committed_at, 3)
         log.info("checkpoint.remote: %s uploaded to %s (%.1f MB in %.1f s, %.0f MB/s; lag %.1f s after its local "
                  "commit; %d waiting)%s", job.path.name, where, nbytes / 1e6, now - start,
                  nbytes / 1e6 / max(now - start, 1e-9), now - job.committed_at, len(self._waiting),

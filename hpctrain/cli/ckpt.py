@@ -111,7 +111,7 @@ def _downloaded(store: Any, name: str) -> Iterator[Path]:
 def _verify_remote(store: Any, name: str) -> tuple[str, list[str], int]:
     try:
         with _downloaded(store, name) as path:
-            return _verify_one(path)
+            return _verify_one(path, hashed=True)
     except layout.UnreadableCheckpointError as err:
         return "UNREADABLE", [str(err)], err.exit_code
     except layout.CheckpointError as err:  # a file missing, or not matching its manifest
@@ -152,10 +152,11 @@ def _report(where: str, outcome: tuple[str, list[str], int]) -> int:
     return exit_code
 
 
-def _verify_one(path: Path) -> tuple[str, list[str], int]:
-    """(ok | CORRUPT | UNREADABLE | REFUSED, problems, exit code) of one checkpoint."""
+def _verify_one(path: Path, *, hashed: bool = False) -> tuple[str, list[str], int]:
+    """(ok | CORRUPT | UNREADABLE | REFUSED, problems, exit code) of one checkpoint; ``hashed``: its
+    files were already checked against the manifest (a download does that) and are not read twice."""
     try:
-        problems = layout.verify(path)
+        problems = [] if hashed else layout.verify(path)
         if problems:
             return "CORRUPT", problems, 1
         unsafe = _unsafe_contents(path)
@@ -221,9 +222,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 2
     try:
         with _export_source(args.path) as (path, where):
-            problems = layout.verify(path)
-            if problems:
-                raise layout.CheckpointError(f"{where} is corrupt: {'; '.join(problems)}")
             written = write_stream(out, checkpoint_source(path))
             step = layout.read_manifest(path).get("step")
     except (layout.CheckpointError, ExportError, UnsafePickleError, TensorFileError) as err:
@@ -241,21 +239,18 @@ def _export_source(spec: str) -> Iterator[tuple[Path, str]]:
     checkpoint of a URL that downloads intact (corrupt ones are said and skipped)."""
     if not remote.is_remote(spec):
         path = layout.resolve(spec)
+        problems = layout.verify(path)  # a download is checked against its manifest as it lands
+        if problems:
+            raise layout.CheckpointError(f"{path} is corrupt: {'; '.join(problems)}")
         yield path, str(path)
         return
     store, entries = _remote_tier(spec)
-    for _, name in reversed(entries):
-        with tempfile.TemporaryDirectory(prefix="hpctrain-ckpt-") as tmp:
-            try:
-                path = remote.download(store, name, Path(tmp))
-            except layout.UnreadableCheckpointError:
-                raise
-            except layout.CheckpointError as err:  # missing or corrupt files: the next older one
-                print(f"hpctrain ckpt export: {store.url}/{name} is skipped: {err}", file=sys.stderr)
-                continue
-            yield path, f"{store.url}/{name}"
-            return
-    raise layout.NoCheckpointError(f"{spec} holds no intact committed checkpoint; hint: `hpctrain ckpt list {spec}`")
+    with tempfile.TemporaryDirectory(prefix="hpctrain-ckpt-") as tmp:
+        fetched = remote.fetch_newest(store, entries, Path(tmp))  # corrupt ones are skipped, said in the log
+        if fetched is None:
+            raise layout.NoCheckpointError(f"{spec} holds no intact committed checkpoint; "
+                                           f"hint: `hpctrain ckpt list {spec}`")
+        yield fetched, f"{store.url}/{fetched.name}"
 
 
 def checkpoint_source(path: Path) -> Source:

@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from hpctrain.core.atomic import replace_durably
 from hpctrain.core.errors import HpctrainError, RunError, UserError
 from hpctrain.core.section import ConfigError
 
@@ -194,12 +195,18 @@ class Store:
         self._call("uploading to", key, self._backend.put_file, key, Path(local))
 
     def get_file(self, key: str, local: str | Path) -> None:
-        """Download ``key`` to ``local`` whole or not at all (a temporary name, then a rename)."""
+        """Download ``key`` to ``local`` whole or not at all, durably (a temporary name, fsynced, then
+        a rename and the directory's fsync: a crash after return cannot lose it)."""
         dst = Path(local)
         tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
         try:
             self._call("downloading", key, self._backend.get_file, key, tmp)
-            os.replace(tmp, dst)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            replace_durably(tmp, dst)
         finally:
             tmp.unlink(missing_ok=True)
 

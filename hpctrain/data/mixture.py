@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpctrain.core.env import ClusterEnv
-from hpctrain.data.batch import Batch, map_inputs
+from hpctrain.data.batch import Batch
 from hpctrain.data.loader import MapStyleLoader
 from hpctrain.data.position import PAD, Shuffle, epoch_order, limit_order
 from hpctrain.data.workers import WorkerError, in_worker
@@ -168,7 +168,7 @@ def _joined(parts: list[tuple[int, Batch]], back: torch.Tensor, labels: list[str
     keys = [key for s, b in parts for key in _keys(b, labels[s])]
     masks = [b.mask if b.mask is not None else torch.ones(len(b), dtype=torch.bool) for b in batches]
     mask = torch.cat(masks)[back]
-    return Batch(map_inputs(inputs, lambda t: t), torch.cat([b.targets for b in batches])[back],
+    return Batch(inputs, torch.cat([b.targets for b in batches])[back],
                  [keys[i] for i in back.tolist()], None if bool(mask.all()) else mask)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import tempfile
 import threading
 from collections import OrderedDict
@@ -38,7 +37,7 @@ from hpctrain.core.env import ClusterEnv
 from hpctrain.core.storage import Store, is_url, open_store
 from hpctrain.data.errors import ShardError
 from hpctrain.data.foreign import shards_root as local_shards_root
-from hpctrain.data.manifest import MAX_JSON_BYTES, check_manifest, load_manifest, parse_json
+from hpctrain.data.manifest import MAX_JSON_BYTES, check_manifest, file_sha256, load_manifest, parse_json
 from hpctrain.data.nodeonce import once_per_node
 from hpctrain.data.verify import Problem, label_spec, verify_shard
 
@@ -238,31 +237,17 @@ def remote_sizes(manifest: Mapping[str, Any]) -> dict[str, int]:
 # ---------------------------------------------------------------- staging, writing, verifying
 
 
-def download_verified(manifest: Mapping[str, Any], shard: Mapping[str, Any], dst: Path) -> dict[str, Any]:
-    """One tar of a mirrored manifest downloaded to ``dst``, accepted only with the manifest's sha256."""
-    rec = remote_of(manifest)
-    assert rec is not None
-    store = open_store(*rec)
-    tmp = dst.with_name(f".{dst.name}.dl-{os.getpid()}")
-    try:
-        store.get_file(shard["name"], tmp)
-        sha = _sha256(tmp)
-        if sha != shard["sha256"]:
-            raise ShardError(f"downloaded {store.where(shard['name'])} has sha256 {sha[:12]}..., the manifest says "
-                             f"{str(shard['sha256'])[:12]}...; hint: hpctrain data verify {rec[0]}")
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+def download_verified(store: Store, shard: Mapping[str, Any], dst: Path) -> dict[str, Any]:
+    """One tar of a mirrored manifest downloaded from ``store`` to ``dst`` (durably), accepted only
+    with the manifest's sha256; a mismatch leaves nothing at ``dst``."""
+    store.get_file(shard["name"], dst)
+    sha = file_sha256(dst)
+    if sha != shard["sha256"]:
+        dst.unlink(missing_ok=True)
+        raise ShardError(f"downloaded {store.where(shard['name'])} has sha256 {sha[:12]}..., the manifest says "
+                         f"{str(shard['sha256'])[:12]}...; hint: hpctrain data verify {store.url}")
     st = dst.stat()
     return {"bytes": st.st_size, "sha256": sha, "mtime_ns": st.st_mtime_ns}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def uploading(url: str, options: Mapping[str, Any]) -> tuple[Path, Callable[[Path, str], None], Callable[[], None]]:

@@ -36,7 +36,7 @@ from hpctrain.data.manifest import (
     read_regular,
 )
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.data.remote import download_verified, remote_of
+from hpctrain.data.remote import download_verified, open_store, remote_of
 
 log = logging.getLogger("hpctrain")
 CHUNK = 8 * 2**20
@@ -174,9 +174,11 @@ def copy_split(source: Path, target: Path, split: str) -> dict[str, dict[str, An
     manifest = load_manifest(source, split)
     tars = data_dir(source, manifest)
     files: dict[str, dict[str, Any]] = {}
+    rec = remote_of(manifest)
+    store = open_store(*rec) if rec is not None else None  # one client for the split's shards
     for shard in manifest["shards"]:
-        if remote_of(manifest):  # shards on object storage: downloaded, sha256-checked, into the node-local cache
-            files[shard["name"]] = download_verified(manifest, shard, target / shard["name"])
+        if store is not None:  # shards on object storage: downloaded, sha256-checked, into the node-local cache
+            files[shard["name"]] = download_verified(store, shard, target / shard["name"])
         else:
             files[shard["name"]] = copy_verified(tars / shard["name"], target / shard["name"], shard["sha256"],
                                                  size=shard["bytes"])

@@ -365,7 +365,12 @@ def with_changes(inp: MemoryInputs, **changes: object) -> MemoryInputs:
 
 # ---------------------------------------------------------------- a run's own layout, and its measurement
 
-OPTIMIZER_ELEMENTS = {"adamw": 2.0, "adam": 2.0, "sgd": 1.0}  # fp32 state per parameter (sgd: its momentum)
+def optimizer_elements(cfg: Config) -> float:
+    """fp32 optimizer state per parameter, in parameter elements: Adam(W)'s two moments (also
+    assumed for an optimizer of the user's), SGD's momentum, nothing for plain SGD."""
+    if cfg.optim.name == "sgd":
+        return 1.0 if cfg.optim.momentum else 0.0
+    return 2.0
 
 
 def inputs_from_config(cfg: Config, shape: TransformerShape, topology: Topology, *, micro_batch: int,
@@ -375,9 +380,7 @@ def inputs_from_config(cfg: Config, shape: TransformerShape, topology: Topology,
     layout (fp32 parameters under autocast; DeepSpeed's own), PyTorch SDPA's memory-efficient
     attention (no score matrix, also on CPU), logits gathered whole for the loss."""
     p = cfg.parallel
-    elements = OPTIMIZER_ELEMENTS.get(cfg.optim.name, 2.0)
-    if cfg.optim.name == "sgd" and not cfg.optim.momentum:
-        elements = 0.0
+    elements = optimizer_elements(cfg)
     gathered = {"fp32": 4, "bf16": 2, "fp16": 2}.get(p.param_dtype)
     micro = max(1, micro_batch // p.microbatches) if topology.pp > 1 else micro_batch
     return MemoryInputs(shape=shape, topology=topology, strategy=p.strategy, deepspeed_stage=p.deepspeed_stage,

@@ -105,17 +105,18 @@ def prepare(tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
     if doc_ids is not None and tuple(doc_ids.shape) != tuple(tokens.shape):
         raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}, the tokens {tuple(tokens.shape)}: one "
                          "document id per token")
-    positions = document_positions(doc_ids) if doc_ids is not None else torch.arange(length, device=device)
     if split is None:
         if doc_ids is None:
-            return tokens, None
+            return tokens, None  # the plain path: nothing to compute
         index = torch.arange(length, device=device)
-        return tokens, AttentionContext(positions, _allowed(index, index, doc_ids, doc_ids))
+        return tokens, AttentionContext(document_positions(doc_ids), _allowed(index, index, doc_ids, doc_ids))
     if length % (2 * split.size):
         raise ValueError(f"a sequence of {length} tokens does not split into 2 x {split.size} equal chunks (context "
                          f"parallel); hint: a model.seq_len that is a multiple of {2 * split.size}")
     mine, gathered = split.indices(length, device)
-    tokens, positions = tokens.index_select(1, mine), positions.index_select(-1, mine)
+    # a rank's positions: its chunks' indices, or within their documents
+    positions = mine if doc_ids is None else document_positions(doc_ids).index_select(-1, mine)
+    tokens = tokens.index_select(1, mine)
     if doc_ids is None:
         return tokens, AttentionContext(positions, split=split)
     if split.ring:

@@ -217,7 +217,7 @@ class Llama(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         out = x if self.head is None else self.head(x)
-        aux = collect_aux_loss(self) if self.shape.moe is not None else None
+        aux = collect_aux_loss(self) if self.shape.moe is not None and self.training else None
         return out if aux is None else {"logits": out, "aux_loss": aux}
 
 

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.core.env import collective_device
+
 
 @dataclass(frozen=True)
 class MoEShape:
@@ -134,6 +136,7 @@ class MoE(nn.Module):
         self.shared = shared
         self.dispatch: Dispatcher = local_dispatch  # expert parallelism installs its all-to-all
         self.aux_loss: torch.Tensor | None = None  # the last training forward's weighted loss (with its graph)
+        self.assigned: torch.Tensor | None = None  # and its assignments per expert, counted when collected
         # the log rows' statistics since expert_load last read them (detached: no sync on the hot path)
         self.load: torch.Tensor | None = None
         self.aux_window: torch.Tensor | None = None
@@ -152,8 +155,10 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(flat)
         if self.training and torch.is_grad_enabled():
+            # counted by collect_aux_loss, once per model forward: activation checkpointing reruns this
+            # forward in backward, which must neither count twice nor leave an aux loss an eval would return
             self.aux_loss = self.moe.aux_loss_coef * balance_loss(probs, assigned, self.moe.top_k)
-            self.count(assigned, self.aux_loss)
+            self.assigned = assigned
         return y.view_as(x)
 
     def route(self, probs: torch.Tensor) -> Routing:
@@ -210,12 +215,14 @@ def moe_expert_plan(model: nn.Module) -> ExpertPlan | None:
 
 
 def collect_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """The sum of the layers' auxiliary losses of the last training forward (taken: each is read once)."""
+    """The sum of the layers' auxiliary losses of the training forward just run (taken: each is read
+    and counted for the log once); the model calls it after its blocks, in training only."""
     losses = []
     for layer in moe_layers(model):
-        if layer.aux_loss is not None:
+        if layer.aux_loss is not None and layer.assigned is not None:
             losses.append(layer.aux_loss)
-            layer.aux_loss = None
+            layer.count(layer.assigned, layer.aux_loss)
+            layer.aux_loss, layer.assigned = None, None
     return torch.stack(losses).sum() if losses else None
 
 
@@ -259,7 +266,9 @@ def expert_load(model: nn.Module, world_size: int = 1) -> dict[str, Any]:
     if world_size > 1:
         import torch.distributed as dist  # torch: only a distributed run reduces
 
-        dist.all_reduce(window)
+        on_device = window.to(collective_device())  # NCCL reduces only tensors on the rank's GPU
+        dist.all_reduce(on_device)
+        window = on_device.cpu()
     totals = moe_layers(model)[0]
     totals.load_total = window[2:] if totals.load_total is None else totals.load_total + window[2:]
     aux = float(window[0] / window[1]) if window[1] else math.nan

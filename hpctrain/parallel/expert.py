@@ -37,22 +37,20 @@ from hpctrain.models.moe import Experts, MoE, split_sizes
 class AllToAll:
     """A layer's dispatcher under expert parallelism (:class:`hpctrain.models.moe.Dispatcher`)."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, dp: int, edp: DeviceMesh | None) -> None:
+    def __init__(self, group: dist.ProcessGroup, ep: int, edp: DeviceMesh | None) -> None:
         self.group, self.ep, self.edp = group, ep, edp
-        # what an expert gradient is divided by, and the group it is then summed over: dp and edp,
-        # until FSDP shards the experts over edp (shard_experts), whose reduce-scatter averages over it
-        self.divide, self.edp_group = dp, edp.get_group() if edp is not None else None
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
         """``rows`` grouped by global expert (``counts`` each) -> their experts' outputs, same order."""
         local = counts.shape[0] // self.ep
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # equal splits: local experts' counts
-        sent = counts.view(self.ep, local)  # [destination rank, its expert]
-        got = received_counts.view(self.ep, local)  # [source rank, my expert]
+        host = torch.stack((counts, received_counts)).cpu()  # one copy to the host: the splits are Python ints
+        sent = host[0].view(self.ep, local)  # [destination rank, its expert]
+        got = host[1].view(self.ep, local)  # [source rank, my expert]
         send_splits, recv_splits = sent.sum(1).tolist(), got.sum(1).tolist()
         arrived = exchange(rows, recv_splits, send_splits, self.group)
-        order = by_expert(got)  # arrived is grouped by source rank, then expert: regroup by expert
+        order = by_expert(got).to(rows.device)  # arrived is grouped by source rank, then expert: regroup by expert
         out = experts(arrived[order], split_sizes(got.sum(0), arrived.shape[0]), self.local)
         back = torch.empty_like(out).index_copy(0, order, out)
         return exchange(back, send_splits, recv_splits, self.group)
@@ -65,10 +63,9 @@ class AllToAll:
         return part
 
     def average(self, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad / self.divide
-        if self.edp_group is not None:
-            dist.all_reduce(grad, group=self.edp_group)
-        return grad
+        # the ep ranks' experts are summed by the all-to-all's backward; the replicas over edp are
+        # averaged by FSDP's reduce-scatter (shard_experts), or there are none (dp = ep)
+        return grad / self.ep
 
 
 def exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -96,7 +93,7 @@ def apply_expert_parallel(model: nn.Module, *, mesh: DeviceMesh, topology: Topol
     ep_mesh = mesh["ep"]
     rank = ep_mesh.get_local_rank()
     edp = mesh["edp"] if topology.dp // topology.ep > 1 else None
-    dispatch = AllToAll(ep_mesh.get_group(), topology.ep, topology.dp, edp)
+    dispatch = AllToAll(ep_mesh.get_group(), topology.ep, edp)
     for layer in plan.layers:
         experts = layer.experts
         if experts.w_gate.shape[0] % topology.ep:
@@ -124,5 +121,4 @@ def shard_experts(model: nn.Module, shard: Callable[[nn.Module, DeviceMesh], obj
             ignored.update(layer.experts.parameters())
             continue
         shard(layer.experts, dispatch.edp)
-        dispatch.divide, dispatch.edp_group = dispatch.ep, None
     return ignored

@@ -48,7 +48,7 @@ from hpctrain.estimate.activations import layer_bytes
 from hpctrain.estimate.gpu_memory import PREFETCHED_LAYERS, StateLayout, compute_bytes, states_per_rank
 from hpctrain.estimate.model import stage_layers
 from hpctrain.estimate.render import sig3
-from hpctrain.estimate.strategy_memory import MemoryInputs, recompute_of, strategy_memory
+from hpctrain.estimate.strategy_memory import MemoryInputs, optimizer_elements, recompute_of, strategy_memory
 from hpctrain.planning.layout import make_layout, world_layout
 from hpctrain.planning.machine import Machine, detect_machine
 from hpctrain.planning.profile import Profile, builtin_shape, shape_profile
@@ -416,7 +416,7 @@ def memory_inputs(cfg: Config, prof: Profile, machine: Machine, c: Candidate) ->
         precision=cfg.precision, amp_layout="master" if master else "autocast",
         param_dtype_bytes=compute_bytes(resolve_param_dtype(p, cfg.precision)),
         reduce_dtype_bytes=4 if p.reduce_dtype == "fp32" else 2,
-        optimizer_elements=float(_optimizer_elements(cfg)), micro_batch=c.micro_batch // c.microbatches,
+        optimizer_elements=optimizer_elements(cfg), micro_batch=c.micro_batch // c.microbatches,
         grad_accum=c.grad_accum, reduce_every_microstep=p.reduce_every_microstep,
         reshard_after_forward=p.reshard_after_forward, cpu_offload=c.cpu_offload,
         recompute=recompute_of(c.checkpointing), sequence_parallel=p.sequence_parallel and c.tp > 1,
@@ -431,10 +431,7 @@ def machine_nodes(machine: Machine, c: Candidate) -> int:
 
 
 def _topology(c: Candidate, replicas: int) -> Topology:
-    kw: dict[str, int] = {"cp": c.cp} if c.cp > 1 else {}
-    if c.ep > 1:
-        kw["ep"] = c.ep
-    return Topology(pp=c.pp, dp_replicate=replicas, dp_shard=c.dp // replicas, tp=c.tp, **kw)
+    return Topology(pp=c.pp, dp_replicate=replicas, dp_shard=c.dp // replicas, tp=c.tp, cp=c.cp, ep=c.ep)
 
 
 def declared_memory(cfg: Config, prof: Profile, machine: Machine, c: Candidate) -> dict[str, float]:
@@ -470,17 +467,10 @@ def _busiest(prof: Profile, tp: int, pp: int) -> tuple[float, int]:
             max(len(_stage_blocks(prof, pp, s)) for s in range(pp)))
 
 
-def _optimizer_elements(cfg: Config) -> int:
-    """Optimizer state per parameter, in parameter elements: AdamW's two moments, SGD's momentum."""
-    if cfg.optim.name == "sgd":
-        return 1 if cfg.optim.momentum else 0
-    return 2
-
-
 def _measured_memory(cfg: Config, prof: Profile, c: Candidate, stage: int) -> dict[str, float]:
     """A model without a declared shape: the estimator's sharding rules over its measured pieces."""
     e = prof.param_bytes
-    layout = StateLayout("auto", e, e, e * _optimizer_elements(cfg), 0)
+    layout = StateLayout("auto", e, e, e * int(optimizer_elements(cfg)), 0)
     strategy = "zero3" if c.strategy in ("hsdp", "deepspeed") and c.deepspeed_stage in (0, 3) else \
         {1: "zero1", 2: "zero2"}.get(c.deepspeed_stage, c.strategy)
     params = _stage_params(prof, c.tp, c.pp, stage)

@@ -250,3 +250,23 @@ def test_the_topology_splits_dp_into_edp_and_ep() -> None:
     assert Topology.from_config(keys, 8) == layout
     with pytest.raises(ConfigError, match=r"parallel\.ep \(4\) must divide the data-parallel degree dp \(6\)"):
         Topology.from_config(keys, 6)
+
+
+def test_activation_checkpointing_counts_each_assignment_once_and_eval_returns_logits() -> None:
+    """A checkpointed block reruns its MoE forward in backward: that rerun is not counted again, and
+    the aux loss it leaves behind is not what the next eval forward returns."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from hpctrain.models.moe import take_load
+
+    model = _model().train()
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+    tokens = _batches()[0]
+    out = model(tokens)
+    assert isinstance(out, dict)
+    (out["logits"].float().mean() + out["aux_loss"]).backward()  # the blocks' forwards run again here
+    load = take_load(model)
+    assert load is not None and load[1] == 1  # one forward counted
+    assert int(load[2:].sum()) == tokens.numel() * MOE["top_k"] * MOE["n_layers"]
+    assert isinstance(model.eval()(tokens), torch.Tensor)
