@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pickle
 import signal
@@ -52,13 +53,17 @@ def _context() -> Any:
     process (no process group, no threads, no state of earlier tests), but starts in ~0.3 s instead
     of the 5-15 s a spawned interpreter needs to import them. torch._dynamo too: the first
     optimizer a process builds imports it (torch.optim's constructor; it brings FSDP and DTensor),
-    ~1.3 s of CPU that every rank paid again (starts no thread). DeepSpeed stays out of the
-    preload: it picks its accelerator when imported."""
+    ~1.3 s of CPU that every rank paid again (starts no thread). DeepSpeed picks its accelerator
+    when imported: it is preloaded only where torch has no CUDA (it then picks the CPU, as the ranks
+    would; with CUDA it would touch the devices in the server, before the fork)."""
     global _CONTEXT
     if _CONTEXT is None:
+        preload = ["torch", "torch.distributed", "torch._dynamo", "hpctrain.train", "tests.dist_utils",
+                   "tests.sharding_models"]
+        if torch.version.cuda is None and importlib.util.find_spec("deepspeed") is not None:
+            preload.append("tests.deepspeed_cpu")
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hpctrain.train",
-                                         "tests.dist_utils", "tests.sharding_models"])
+        _CONTEXT.set_forkserver_preload(preload)
     return _CONTEXT
 
 

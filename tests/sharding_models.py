@@ -259,6 +259,11 @@ def train_deepspeed(env, stage: int, steps: int = 10, layers: int = 4, lr: float
     return {"losses": losses, "grads0": grads0}
 
 
+def train_deepspeed_stages(env, stages: tuple[int, ...]) -> dict[int, dict]:
+    """:func:`train_deepspeed` for each stage in turn, in this group of ranks."""
+    return {stage: train_deepspeed(env, stage) for stage in stages}
+
+
 def _deepspeed_grads(engine, names: list[str]) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_grad
 

@@ -4,6 +4,7 @@ uninterrupted loop's weights (one process, CPU, in this process)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 from pathlib import Path
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-accelerate = pytest.importorskip("accelerate")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed")
 
 
 def _loop(ckpt: Path, signal_at: int | None) -> torch.Tensor:
+    import accelerate
+
     from hpctrain.checkpoint.preempt import Preemption
 
     torch.manual_seed(0)

@@ -31,8 +31,9 @@ from hpctrain.train import train
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import run_ranks, train_cases
 
-transformers = pytest.importorskip("transformers")
-from transformers.modeling_outputs import CausalLMOutput  # noqa: E402 - after the importorskip
+# a mark, not a module-level importorskip: every xdist worker collects this file, and transformers
+# (~1 s of CPU) is imported only by the worker that runs these tests
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
 
 HF = "examples.hf_models"
 OUT = "tests.models.output_models"
@@ -49,6 +50,8 @@ def _lm(name: str, **keys: str) -> torch.nn.Module:
 
 
 def test_logits_are_read_from_a_tensor_a_tuple_a_dict_and_a_model_output():
+    from transformers.modeling_outputs import CausalLMOutput
+
     logits = torch.randn(2, 3)
     for output in (logits, (logits, None), [logits], {"logits": logits, "loss": None},
                    CausalLMOutput(logits=logits)):

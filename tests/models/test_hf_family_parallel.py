@@ -16,6 +16,7 @@ One launch per world size (2, then 1, then 4) runs all of that size's cases, in 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -35,7 +36,8 @@ from tests.data.test_text import needs_sdist
 from tests.dist_utils import ROOT, train_cases
 from tests.gpt_runs import assert_close, read_summary, step_losses
 
-transformers = pytest.importorskip("transformers")
+# a mark, not a module-level importorskip: transformers is imported only where these tests run
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
 
 HF = "tests.models.hf_family_models"
 MODELS = ("llama", "mistral", "qwen2")
@@ -119,6 +121,8 @@ def test_exported_weights_load_with_from_pretrained(runs: Path, case: str, tmp_p
     reference.config.save_pretrained(out)
     # the run's own consolidated model.pt: the whole model's names (strict), the trained weights
     reference.load_state_dict(torch.load(runs / case / "model.pt", weights_only=True), strict=True)
+    import transformers
+
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert type(loaded).__name__ == CLASSES[model]
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -5,6 +5,7 @@ equal, the end weights equal within tolerance, and after one step of a tiny lr `
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -16,8 +17,9 @@ from torch.utils.data import Dataset
 
 from tests.dist_utils import train_cases
 
-transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # three 2-rank runs of a Hugging Face model
+# three 2-rank runs of a Hugging Face model; transformers is imported only where they run
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                                   reason="transformers is not installed")]
 
 PRETRAINED_ENV = "HPCTRAIN_TEST_PRETRAINED"  # the save_pretrained directory the factory loads
 VOCAB, SEQ = 64, 16
@@ -46,10 +48,14 @@ def windows() -> dict[str, Any]:
 
 def pretrained_gpt2() -> torch.nn.Module:
     """What a user's factory does: load a fine-tuning start from disk."""
+    import transformers
+
     return transformers.GPT2LMHeadModel.from_pretrained(os.environ[PRETRAINED_ENV])
 
 
 def _save_pretrained(path: Path) -> dict[str, torch.Tensor]:
+    import transformers
+
     torch.manual_seed(123)  # weights no seed of the run would draw
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=None, eos_token_id=None))

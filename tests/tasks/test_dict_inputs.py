@@ -5,6 +5,7 @@ return a dict; causal_lm's per-token val_loss and token counts skip padding."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -25,65 +26,30 @@ from tests.dist_utils import train_cases
 CPU = torch.device("cpu")
 PAD, LENGTH, VOCAB = 0, 10, 30
 
-transformers = pytest.importorskip("transformers")
-datasets = pytest.importorskip("datasets")
+# transformers and datasets: imported by the tests that use them (tests/tasks/hf_bert.py)
+needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
+                              or importlib.util.find_spec("datasets") is None,
+                              reason="transformers and datasets are not installed")
 
 
-class MaskedBert(transformers.BertForSequenceClassification):
-    """A BERT that refuses a padded batch without its mask, or a mask that is not the data's:
-    the proof that attention_mask (and token_type_ids) reach the model in training and eval."""
-
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> Any:
-        assert input_ids is not None
-        if bool((input_ids != PAD).any()):  # the dummy forward of the model check is all [PAD]
-            if attention_mask is None or token_type_ids is None:
-                raise RuntimeError("attention_mask / token_type_ids did not reach the model")
-            if not torch.equal(attention_mask.bool(), input_ids != PAD):
-                raise RuntimeError("the attention_mask is not the data's")
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-
-
-def bert(num_classes: int = 2) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=LENGTH, num_labels=num_classes,
-                                     pad_token_id=PAD, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return MaskedBert(config)
-
-
-def _rows(n: int, offset: int) -> dict[str, list[Any]]:
-    rows: dict[str, list[Any]] = {"text": [], "input_ids": [], "attention_mask": [], "token_type_ids": [], "label": []}
-    for i in range(offset, offset + n):
-        length = 3 + i % (LENGTH - 3)
-        ids = [1 + (7 * i + 3 * k) % (VOCAB - 1) for k in range(length)]
-        rows["text"].append(f"sample {i}")  # a text column beside the tokens: skipped, not refused
-        rows["input_ids"].append(ids + [PAD] * (LENGTH - length))
-        rows["attention_mask"].append([1] * length + [0] * (LENGTH - length))
-        rows["token_type_ids"].append([0] * LENGTH)
-        rows["label"].append(int(sum(ids) % 2))
-    return rows
-
-
-def _save(root: Path) -> Path:
-    splits = {"train": datasets.Dataset.from_dict(_rows(32, 0)), "validation": datasets.Dataset.from_dict(_rows(9, 50))}
-    datasets.DatasetDict(splits).save_to_disk(str(root / "hf"))
-    return root / "hf"
-
-
+@needs_hf
 def test_a_padded_bert_trains_at_two_ranks_with_its_masks(tmp_path: Path) -> None:
-    path = _save(tmp_path)
-    keys = [f"data.name=hf:{path}", "model.name=tests.tasks.test_dict_inputs:bert", "data.batch_size=4",
+    from tests.tasks.hf_bert import save_dataset
+
+    path = save_dataset(tmp_path)
+    keys = [f"data.name=hf:{path}", "model.name=tests.tasks.hf_bert:bert", "data.batch_size=4",
             "train.max_steps=3", "train.progress=false", "checkpoint.enabled=false"]
     (rank0, _) = train_cases(2, [("bert", keys)], tmp_path / "runs", keep=("val_count", "val_loss", "tokens_per_s"))
     assert isinstance(rank0["bert"], dict), rank0  # else: the mask did not reach the model
     assert rank0["bert"]["val_count"] == 9 and rank0["bert"]["tokens_per_s"] is not None
 
 
+@needs_hf
 def test_padding_is_not_attended_and_the_mask_reaches_evaluation(tmp_path: Path) -> None:
     from hpctrain.data import build_data
+    from tests.tasks.hf_bert import bert, save_dataset
 
-    path = _save(tmp_path)
+    path = save_dataset(tmp_path)
     bundle = build_data(DataConfig(name=f"hf:{path}", batch_size=4), ClusterEnv(), CPU, seed=0)
     assert bundle.input_shape == (LENGTH,) and bundle.input_dtype == torch.int64
     batch = next(iter(bundle.val_loader))

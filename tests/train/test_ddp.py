@@ -2,8 +2,6 @@
 
 import contextlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +10,11 @@ import torch
 from hpctrain.config import load_config
 from hpctrain.core.env import ClusterEnv
 from hpctrain.parallel import unwrap
+from hpctrain.planning.layout import make_layout
 from hpctrain.train import build_components, fit, load_data
-from tests.dist_utils import launch_env, run_ranks
+from tests.dist_utils import run_ranks, train_cases
 
 STEPS = 10
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(batch_size: int, grad_accum: int, extra: tuple[str, ...]):
@@ -149,13 +147,6 @@ def test_inner_micro_steps_skip_the_gradient_sync():
 # ---------------------------------------------------------------- elastic resume keeps the global batch
 
 
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = launch_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "hpctrain", "train", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-
-
 def _losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -176,13 +167,15 @@ def test_resume_at_another_world_size_keeps_global_batch_and_losses(tmp_path):
               "data.shuffle=global", "data.global_batch_size=32", "data.batch_size=8", "train.max_steps=8",
               "train.log_every=1", "train.progress=false", "train.eval_each_epoch=false", "train.threads=1",
               "optim.schedule=constant", "optim.lr=0.2", "checkpoint.every_seconds=off", "seed=3"]
-    two = _torchrun(2, *common, f"run.dir={tmp_path / 'w2'}", "checkpoint.every_steps=4", "checkpoint.keep_last=5")
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "global batch 32 = 8 per rank x 2 micro-steps x 2 ranks" in two.stderr
+    for world, accum in ((2, 2), (4, 1)):  # the layout each world size trains with
+        _, layout = make_layout(load_config(None, common), ClusterEnv(world_size=world, rank=0))
+        assert (layout.global_batch, layout.micro_batch, layout.grad_accum) == (32, 8, accum)
+    # forked ranks (the launchers are tested in tests/launch, tests/data/test_loader.py's torchrun run)
+    two = train_cases(2, [("w2", [*common, "checkpoint.every_steps=4", "checkpoint.keep_last=5"])], tmp_path)
+    assert isinstance(two[0]["w2"], dict), two[0]
     ckpt = tmp_path / "w2" / "checkpoints" / "step-000000004"
-    four = _torchrun(4, *common, f"run.dir={tmp_path / 'w4'}", f"resume={ckpt}")
-    assert four.returncode == 0, four.stderr[-3000:]
-    assert "global batch 32 = 8 per rank x 1 micro-steps x 4 ranks" in four.stderr
+    four = train_cases(4, [("w4", [*common, f"resume={ckpt}"])], tmp_path)[0]["w4"]
+    assert isinstance(four, dict) and four["world_size"] == 4 and four["samples_seen"] == 8 * 32, four
     reference, resumed = _losses(tmp_path / "w2"), _losses(tmp_path / "w4")
     assert sorted(resumed) == [5, 6, 7, 8]
     for step, loss in resumed.items():

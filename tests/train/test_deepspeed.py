@@ -21,7 +21,9 @@ import torch
 from hpctrain.checkpoint import layout
 from hpctrain.config import load_config
 from hpctrain.core.errors import EXIT_PREEMPTED
+from hpctrain.models.gpt import GPT, GPTShape
 from hpctrain.train import train
+from hpctrain.weights.digest import params_sha256
 from tests.checkpoint import test_preempt as preempt
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import train_cases
@@ -112,10 +114,11 @@ def saved(root: Path, stage: int) -> Path:
     return root / f"zero{stage}"
 
 
-@pytest.mark.parametrize("stage", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_lr_schedule_and_losses_match_one_process(one_process: Path, two_ranks: Path, stage: int) -> None:
     """The engine steps hpctrain's scheduler once per accumulation window (2 micro-steps here):
-    the logged lr equals the one-process DDP run's at every step, and so do the losses (1e-5)."""
+    the logged lr equals the one-process DDP run's at every step, and so do the losses (1e-5), the
+    exact validation and the samples seen; model.pt is the whole model."""
     want, got = _rows(one_process), _rows(saved(two_ranks, stage))
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     lrs = [want[s]["lr"] for s in range(1, STEPS + 1)]
@@ -124,6 +127,15 @@ def test_lr_schedule_and_losses_match_one_process(one_process: Path, two_ranks: 
     worst = max(abs(got[s]["loss"] - want[s]["loss"]) for s in want)
     assert worst < TOL, worst
     assert want[STEPS]["loss"] < want[1]["loss"] - 1.0
+    # model.pt is the whole model (ZeRO-3: gathered by DeepSpeed), hashed as the summary says; the
+    # validation counts every sample once, as one process does
+    run = saved(two_ranks, stage)
+    model = GPT(GPTShape(vocab=256, seq_len=32, n_layers=2, hidden=32, heads=4))
+    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
+    one, two = (json.loads((r / "summary.json").read_text()) for r in (one_process, run))
+    assert params_sha256(model) == two["params_sha256"]
+    assert two["world_size"] == 2 and two["val_count"] == one["val_count"] == 41
+    assert abs(two["val_loss"] - one["val_loss"]) < TOL and two["samples_seen"] == one["samples_seen"] == 16 * STEPS
 
 
 def test_sgd_under_zero3_matches_one_process(shards: Path, two_ranks: Path, tmp_path: Path) -> None:

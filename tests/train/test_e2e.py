@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.cli import main as cli_main
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 QUICK = ["data.max_train_samples=5000", "train.epochs=1", "train.progress=false"]
 
 
 def hpctrain(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # 3 test workers share the 2 cores
     return subprocess.run([sys.executable, "-m", "hpctrain", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
@@ -47,7 +49,7 @@ def test_single_process_reaches_93_percent(single_run):
 
 def test_eval_at_three_ranks_equals_one(single_run, tmp_path):
     args = ["data.max_val_samples=1001", "--weights", str(single_run / "model.pt")]
-    ok(hpctrain("eval", *args, "--out", str(tmp_path / "one")))
+    assert cli_main(["eval", *args, "--out", str(tmp_path / "one")]) == 0  # one process: this one
     ok(hpctrain("run", "-n", "3", "eval", *args, "--out", str(tmp_path / "three"), "--predictions"))
     one = json.loads((tmp_path / "one" / "eval.json").read_text())
     three = json.loads((tmp_path / "three" / "eval.json").read_text())
@@ -57,8 +59,8 @@ def test_eval_at_three_ranks_equals_one(single_run, tmp_path):
     assert sorted(json.loads(r)["key"] for r in rows) == list(range(1001))
 
 
-def test_finished_run_is_not_overwritten(single_run):
+def test_finished_run_is_not_overwritten(single_run, capsys):
     before = (single_run / "summary.json").read_bytes()
-    proc = hpctrain("train", *QUICK, f"run.dir={single_run}")
-    assert proc.returncode == 2 and "already holds a finished run" in proc.stderr
+    assert cli_main(["train", *QUICK, f"run.dir={single_run}"]) == 2
+    assert "already holds a finished run" in capsys.readouterr().err
     assert (single_run / "summary.json").read_bytes() == before
