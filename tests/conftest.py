@@ -25,6 +25,15 @@ def _destroy_leftover_process_group():
 
 
 @pytest.fixture(autouse=True)
+def _one_thread_after_each_test():
+    """A test that trains in this process (``train``, ``hpctrain eval`` through ``cli.main``) sets
+    torch's threads from the config (a core each by default): back to one, or the tests after it
+    in this worker run oversubscribed beside the other workers."""
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
 def _clean_launcher_env(monkeypatch):
     """Tests see a plain single process unless they set launcher variables themselves."""
     for name in list(os.environ):
