@@ -112,7 +112,6 @@ class LoopResult:
     eval_seconds: float = 0.0
     last_eval: EvalResult | None = None
     last_eval_step: int = -1
-    data_wait_seconds: float = 0.0
     best: dict[str, Any] = field(default_factory=dict)
     preempted: bool = False  # stopped by a signal after a committed checkpoint
     numerics: dict[str, Any] = field(default_factory=dict)  # non-finite steps (NumericsWatch.summary)
@@ -250,7 +249,6 @@ def _fit(loop: Loop) -> LoopResult:
     finally:
         bar.close()
         tel.stop()
-    result.data_wait_seconds = tel.meter.data_wait_seconds
     result.telemetry = tel.summary(counters.step)
     result.numerics = loop.watch.summary()
     return result
@@ -679,7 +677,7 @@ def _run_loop(loop: Loop) -> LoopResult:
         ckpt.close()
         result.best = ckpt.best_record(result.best)
     loop.tel.meter.lap(CKPT)
-    result.telemetry = loop.tel.summary(step.step)  # now with the final validation and save
+    result.telemetry = loop.tel.summary(step.step)  # the loop's rates; the peak memory now of the final validation too
     return result
 
 
@@ -708,11 +706,10 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
              digest: Digests) -> dict[str, Any]:
     metrics = result.last_eval.metrics if result.last_eval else {}
     samples = parts.counters.samples_seen
-    samples_per_s = samples / result.train_seconds if result.train_seconds else 0.0
-    window = result.telemetry  # the meter's tokens per sample (None unless the task counts tokens)
-    tokens_per_sample = window["tokens_per_s"] / window["samples_per_s"] if window.get("tokens_per_s") else None
     return {
-        **result.telemetry,  # the meter's run means: step-time breakdown, MFU, peak memory; stragglers; top ops
+        # the meter's means of this process's loop after its first step: samples/s, tokens/s (a token task's),
+        # data-wait share, step-time breakdown, MFU, peak memory; stragglers; top ops
+        "tokens_per_s": None, **result.telemetry,
         # each rank's measured memory_breakdown with the strategy's declared bytes beside it ("predicted")
         **run_breakdown(result.telemetry.get("memory_breakdown"), cfg, parts.strategy.inner, parts.strategy.topology,
                         micro_batch=parts.strategy.micro_batch),
@@ -721,11 +718,8 @@ def _summary(cfg: Config, env: cluster.ClusterEnv, parts: Components, result: Lo
         "val_count": metrics.get("count"), "val_correct": metrics.get("correct"),
         "val_top5_accuracy": metrics.get("top5_accuracy"),
         "val_perplexity": metrics.get("perplexity"), "val_tokens": metrics.get("tokens"),
-        "tokens_per_s": samples_per_s * tokens_per_sample if tokens_per_sample else None,
-        "samples_per_s": samples_per_s,
         "steps": parts.counters.step, "epochs": parts.counters.epoch, "samples_seen": samples,
         "world_size": env.world_size, "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
-        "data_wait_share": result.data_wait_seconds / result.train_seconds if result.train_seconds else 0.0,
         "best": result.best,
         "params_sha256": digest.params,  # of model.pt's parameters (save_model_streamed)
         "buffers_sha256": digest.buffers,  # of model.pt's buffers (BatchNorm statistics), all ranks' alike

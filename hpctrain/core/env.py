@@ -303,7 +303,9 @@ def init_distributed(env: ClusterEnv, backend: str = "auto", timeout_s: float = 
     dist.init_process_group(
         backend=chosen, store=_attempt_store(env, timeout),
         rank=env.rank, world_size=env.world_size, timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
+        # NCCL's eager start on this rank's GPU; a gloo group (CPU, or CUDA tensors over gloo) is bound to no
+        # device: torch 2.11's DeviceMesh then splits a bound gloo group and fails ("cannot pickle _Options")
+        device_id=device if chosen == "nccl" else None,
     )
     _groups.started = dist.group.WORLD
     _groups.ever_started = True

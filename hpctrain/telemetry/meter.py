@@ -27,7 +27,7 @@ import logging
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -102,6 +102,8 @@ class Meter:
         self._last = time.perf_counter()
         self._start = self._mark()
         self._log_mark = self._straggler_mark = self._start
+        self._warm: _Mark | None = None  # the end of the first optimizer step (see summary)
+        self._end: _Mark | None = None  # the end of the loop (finishing)
         if self._beat is not None:
             self._beat.at_step(step)
 
@@ -118,6 +120,8 @@ class Meter:
             self._events.mark(phase)
         if self._beat is not None:
             self._beat.beat(phase)
+        if phase == OPTIM and self._warm is None:  # once: the first optimizer step is over
+            self._warm = self._mark(self._start.step + 1, now)
 
     # The phases by name, for a loop of your own: call each right after the phase it names.
 
@@ -156,9 +160,11 @@ class Meter:
 
     def finishing(self) -> None:
         """The loop is over: the heartbeat says so (the final validation and save may take
-        long) and later laps no longer count as the loop's progress."""
+        long), later laps no longer count as the loop's progress, and the summary's window ends."""
+        self.lap(OTHER)  # the loop's last moments: the phases add up to the wall time
         heartbeat.finishing()
         self._beat = None
+        self._end = self._mark(now=self._last)  # the summary's rates end here, before the final validation and save
 
     def first_batch(self, model: nn.Module, batch: Any, tokens: int | None = None, positions: int | None = None
                     ) -> None:
@@ -201,8 +207,17 @@ class Meter:
                 (now.forward - prev.forward) / steps)
 
     def summary(self, step: int) -> dict[str, Any]:
-        """The run's means (this process's part of it, after a resume)."""
-        out: dict[str, Any] = self._window(self._start, self._mark(step))
+        """The training loop's means: this process's steps (after a resume, its own), from the end
+        of its first optimizer step to the end of the loop (:meth:`finishing`), the rates over the
+        training time (validation's time left out, as MFU does). The first step's one-off costs
+        (torch.compile, cuDNN's autotuning, the first allocations, the FLOP count) would otherwise
+        weigh on every rate of a short run: a compiled GPT's 60 steps on an H200 read MFU 0.02
+        over the whole run, 0.31 in steady state. ``warmup_s``: the first step's seconds. A run
+        of one step is measured whole."""
+        end = replace(self._end, step=step) if self._end is not None else self._mark(step)  # no step after the loop
+        warm = self._warm if self._warm is not None and end.step > self._warm.step else None
+        out: dict[str, Any] = self._window(warm or self._start, end, training_only=True)
+        out["warmup_s"] = warm.time - self._start.time if warm is not None else None
         out["mem_peak_gb"] = max(self._mem_peak, self._memory()["mem_peak_gb"])
         out["step_flops"] = self.step_flops
         out["peak_tflops"] = self.peak.flops / 1e12 if self.peak is not None else None
@@ -214,29 +229,31 @@ class Meter:
         """The step of the previous log row (or of the start)."""
         return self._log_mark.step
 
-    @property
-    def data_wait_seconds(self) -> float:
-        return self._seconds[DATA]
-
-    def _mark(self, step: int | None = None) -> _Mark:
+    def _mark(self, step: int | None = None, now: float | None = None) -> _Mark:
+        """The totals now (``now``: the time of the lap that just ended, so a window's phases add up
+        to its wall time)."""
         if self._events is not None:
             self._forward_device += self._events.collect()
         forward = self._forward_device if self._events is not None else self._seconds[FORWARD]
         tokens = float(self._tokens) if self.tokens_each_step else 0.0
-        return _Mark(time.perf_counter(), self.step if step is None else step, list(self._seconds), forward, tokens)
+        return _Mark(time.perf_counter() if now is None else now, self.step if step is None else step,
+                     list(self._seconds), forward, tokens)
 
-    def _window(self, start: _Mark, end: _Mark) -> dict[str, Any]:
+    def _window(self, start: _Mark, end: _Mark, training_only: bool = False) -> dict[str, Any]:
+        """A row's measurements between two marks: rates over the wall time, or with
+        ``training_only`` over the wall time less validation's."""
         wall = max(end.time - start.time, 1e-9)
         steps = end.step - start.step
         per_step = max(steps, 1)
         spent = [b - a for a, b in zip(start.seconds, end.seconds)]
-        row: dict[str, Any] = {"samples_per_s": steps * self.global_batch / wall, "data_wait_share": spent[DATA] / wall}
+        training = wall - spent[EVAL]  # validation FLOPs are not counted, so neither is its time
+        span = max(training, 1e-9) if training_only else wall
+        row: dict[str, Any] = {"samples_per_s": steps * self.global_batch / span, "data_wait_share": spent[DATA] / span}
         row |= {name: sum(spent[p] for p in phases) / per_step for name, phases in _COLUMNS.items()}
         if self.tokens_each_step:  # this rank's counted tokens, as many on every data-parallel rank
-            row["tokens_per_s"] = (end.tokens - start.tokens) * self.world_size / wall
+            row["tokens_per_s"] = (end.tokens - start.tokens) * self.world_size / span
         elif self.tokens_per_step is not None:
-            row["tokens_per_s"] = steps * self.tokens_per_step / wall
-        training = wall - spent[EVAL]  # validation FLOPs are not counted, so neither is its time
+            row["tokens_per_s"] = steps * self.tokens_per_step / span
         if self.step_flops and self.peak is not None and steps and training > 0:
             row["mfu"] = self._mfu(self.step_flops * steps * self._real_share(start, end, steps) / training, self.peak)
         return row
