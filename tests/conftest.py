@@ -64,6 +64,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         groups[item] = "cluster" if shared else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(groups[item]))
     # the longest groups first (pyproject: --no-loadscope-reorder keeps this order), so that no
-    # worker starts the Slurm jobs or a file of launches while the others run out of work
+    # worker starts the Slurm jobs or a long file while the others run out of work: by the seconds
+    # each group took last time (pytest's cache, when it is on), else the files marked slow first
     slow = {groups[item] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: 0 if groups[item] == "cluster" else 1 if groups[item] in slow else 2)
+    seconds = _last_seconds(config)
+    guess = max(seconds.values(), default=0.0)  # a new slow file: as long as the longest known
+
+    def order(item: pytest.Item) -> tuple[int, float]:
+        group = groups[item]
+        return (0, 0.0) if group == "cluster" else (1, -seconds.get(group, guess if group in slow else 0.0))
+
+    items.sort(key=order)
+
+
+GROUP_SECONDS = "hpctrain/group_seconds"  # pytest's cache key: {xdist group: seconds in the last run}
+
+
+def _last_seconds(config: pytest.Config) -> dict[str, float]:
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    return dict(cache.get(GROUP_SECONDS, {})) if cache is not None else {}
+
+
+class _GroupClock:
+    """In the controller: each group's seconds (every phase of every test; under --dist loadgroup
+    the workers' reports reach it with node ids ending in ``@GROUP``), written to pytest's cache
+    at the end for the next run's order. A run of a few files updates theirs, keeps the others'."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config, self.spent = config, dict[str, float]()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if "@" in report.nodeid:
+            group = report.nodeid.rsplit("@", 1)[1]
+            self.spent[group] = self.spent.get(group, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        cache = getattr(self.config, "cache", None)
+        if cache is not None and self.spent:
+            cache.set(GROUP_SECONDS, {**_last_seconds(self.config), **{g: round(t, 1) for g, t in self.spent.items()}})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        config.pluginmanager.register(_GroupClock(config), "hpctrain-group-clock")

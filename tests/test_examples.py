@@ -18,6 +18,7 @@ import pytest
 
 from tests.dist_utils import ROOT, _descendants, launch_env
 
+pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)
 EXAMPLE = ROOT / "examples" / "own_loop.py"
 VAL_SAMPLES = 188  # 700 samples, 512 for training
 

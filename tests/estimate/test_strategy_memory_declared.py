@@ -22,6 +22,7 @@ import pytest
 
 from tests.dist_utils import run_ranks
 
+pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)
 FAMILIES = ("gpt", "llama")
 ACCUMS = (1, 4)
 CHECKPOINTING = ("none", "block")  # block: full recompute of every transformer block

@@ -33,7 +33,8 @@ from tests.dist_utils import run_ranks, train_cases
 
 # a mark, not a module-level importorskip: every xdist worker collects this file, and transformers
 # (~1 s of CPU) is imported only by the worker that runs these tests
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers"),
+              pytest.mark.slow]
 
 HF = "examples.hf_models"
 OUT = "tests.models.output_models"

@@ -37,7 +37,8 @@ from tests.dist_utils import ROOT, train_cases
 from tests.gpt_runs import assert_close, read_summary, step_losses
 
 # a mark, not a module-level importorskip: transformers is imported only where these tests run
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers"),
+              pytest.mark.slow]
 
 HF = "tests.models.hf_family_models"
 MODELS = ("llama", "mistral", "qwen2")

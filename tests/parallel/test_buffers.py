@@ -53,6 +53,7 @@ def slow_bn(num_classes: int = 10) -> nn.Module:
     return TinyBN(num_classes, sleep=0.3)
 
 
+pytestmark = pytest.mark.slow  # launches or several ranks: scheduled first (tests/conftest.py)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 STEP3 = Path("checkpoints") / layout.step_name(3)
 BASE = ["model.name=tests.parallel.test_buffers:tiny_bn", "data.name=synthetic_tiny", "data.synthetic_size=256",

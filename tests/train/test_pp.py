@@ -23,7 +23,7 @@ from tests.gpt_runs import assert_close, read_summary, step_losses
 from tests.sharding_models import MODELS, lm_loss, token_batches
 from tests.train.test_sharded import BASE
 
-pytestmark = needs_sdist
+pytestmark = [needs_sdist, pytest.mark.slow]
 TOL = 1e-5
 # untied (the stages cannot share the embedding); validate at the end of every run
 PP = ["model.tie_weights=false", "parallel.microbatches=2"]

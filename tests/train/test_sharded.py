@@ -34,7 +34,7 @@ from tests.dist_utils import train_cases
 from tests.gpt_runs import assert_close, check_ok, step_losses
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = needs_sdist
+pytestmark = [needs_sdist, pytest.mark.slow]
 TOL = 1e-5
 # 16 samples a step: 4 per micro-batch, so 4 micro-steps at world 1, 2 at world 2, 1 at world 4
 BASE = ["model.name=gpt", "model.n_layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=32",
