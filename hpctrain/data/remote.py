@@ -60,12 +60,16 @@ def remote_of(manifest: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
     return str(rec["url"]), dict(rec.get("options") or {})
 
 
-def remote_splits(store: Store) -> list[str]:
-    return sorted(k[: -len(MANIFEST_SUFFIX)] for k in store.list() if k.endswith(MANIFEST_SUFFIX) and "/" not in k)
+def remote_splits(store: Store, listed: Mapping[str, int] | None = None) -> list[str]:
+    """The splits with a manifest at the store's top (``listed``: its listing, if already made)."""
+    keys = store.list() if listed is None else listed
+    return sorted(k[: -len(MANIFEST_SUFFIX)] for k in keys if k.endswith(MANIFEST_SUFFIX) and "/" not in k)
 
 
-def _fetch_split(store: Store, url: str, options: Mapping[str, Any], split: str, out: Path) -> None:
-    """One split's manifest and indexes into ``out``; an unchanged file is not rewritten."""
+def _fetch_split(store: Store, url: str, options: Mapping[str, Any], split: str, out: Path,
+                 listed: Mapping[str, int]) -> None:
+    """One split's manifest and indexes into ``out``, with the tars' sizes from the store's listing
+    (``listed``), so that no rank lists the store again; an unchanged file is not rewritten."""
     key = split + MANIFEST_SUFFIX
     raw = store.read(key)
     if len(raw) > MAX_JSON_BYTES:
@@ -85,7 +89,8 @@ def _fetch_split(store: Store, url: str, options: Mapping[str, Any], split: str,
             raise ShardError(f"index {store.where(shard['index'])} has another sha256 than the manifest lists; hint: "
                              f"hpctrain data verify {url}")
         atomic_write_bytes(local, data)
-    manifest["remote"] = {"url": url, "options": dict(options)}
+    sizes = {s["name"]: listed[s["name"]] for s in manifest["shards"] if s["name"] in listed}
+    manifest["remote"] = {"url": url, "options": dict(options), "sizes": sizes}
     mirrored = json.dumps(manifest, indent=1).encode()
     path = out / key
     if not path.is_file() or path.read_bytes() != mirrored:
@@ -96,7 +101,8 @@ def mirror(url: str, options: Mapping[str, Any], splits: Sequence[str] | None = 
     """The local directory whose manifests describe the shards at ``url`` (refreshed from it)."""
     url = url.rstrip("/")
     store = open_store(url, options)
-    found = remote_splits(store)
+    listed = store.list()  # once per node and run (shards_root): the splits, and every tar's size for the ranks
+    found = remote_splits(store, listed)
     wanted = [s for s in (splits or found) if s in found]
     if not found or (splits and splits[0] not in found):
         first = (splits or ["train"])[0]
@@ -105,7 +111,7 @@ def mirror(url: str, options: Mapping[str, Any], splits: Sequence[str] | None = 
     out = mirror_root(url)
     out.mkdir(parents=True, exist_ok=True)
     for split in wanted:
-        _fetch_split(store, url, options, split, out)
+        _fetch_split(store, url, options, split, out, listed)
     return out
 
 
@@ -226,7 +232,12 @@ def open_reader(manifest: Mapping[str, Any], readahead: bool, sizes: Sequence[in
 
 
 def remote_sizes(manifest: Mapping[str, Any]) -> dict[str, int]:
-    """{tar name: size} of the split's tars on the store (one listing)."""
+    """{tar name: size} of the split's tars on the store: as the mirror recorded them from its listing
+    (made once per node for the run; a store of 100,000 tars is 100 listing requests, which every rank
+    of a large job would otherwise repeat at start), or from a listing now for an older mirror."""
+    recorded = manifest["remote"].get("sizes")
+    if isinstance(recorded, dict):
+        return {str(k): int(v) for k, v in recorded.items()}
     rec = remote_of(manifest)
     assert rec is not None
     listed = open_store(*rec).list()

@@ -24,6 +24,7 @@ from hpctrain.checkpoint import layout
 from hpctrain.cli import main
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, RunError
+from hpctrain.core.storage import Store
 from hpctrain.data.errors import ShardError
 from hpctrain.data.loader import ShardedLoader
 from hpctrain.data.pack import sample_key
@@ -180,6 +181,32 @@ def test_dataloader_workers_read_from_s3_what_the_main_process_reads(shards: Sha
         return [k for batch in loader for k in batch.keys]
     main_process = keys(0)
     assert keys(1) == main_process and sorted(main_process) == [sample_key("train", i) for i in range(N["train"])]
+
+
+def test_ranks_take_the_tars_sizes_from_the_mirror_and_do_not_list_the_store(
+        shards: Shards, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's mirror lists the store once and records every tar's size: a rank opening the split
+    lists nothing (at 1,000 ranks and 100,000 tars that was 100,000 listing requests at start); a
+    mirror written before sizes were recorded still opens, with one listing."""
+    root = mirror(shards.url, {}, ["train"])
+    path = root / "train.manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest["remote"]["sizes"] == {p.name: p.stat().st_size for p in shards.local.glob("train-*.tar")}
+    listings: list[str] = []
+    real = Store.list
+    monkeypatch.setattr(Store, "list", lambda self, prefix="": listings.append(prefix) or real(self, prefix))
+    every = [sample_key("train", i) for i in range(N["train"])]
+    assert sorted(k for batch in ShardedLoader(root, ClusterEnv(), 16) for k in batch.keys) == every
+    assert listings == []
+    del manifest["remote"]["sizes"]
+    path.write_text(json.dumps(manifest))
+    assert sorted(k for batch in ShardedLoader(root, ClusterEnv(), 16) for k in batch.keys) == every
+    assert listings == [""]
+    manifest["remote"]["sizes"] = ["train-000000.tar"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match="'remote' is .* not {url, options, sizes}"):
+        ShardedLoader(root, ClusterEnv(), 16)
+    mirror(shards.url, {}, ["train"])  # the mirror as the module's other tests expect it
 
 
 def test_the_server_killed_under_a_reader_is_one_clear_run_error(s3_private_server: S3Server,  # noqa: F811
