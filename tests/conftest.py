@@ -80,6 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 GROUP_SECONDS = "hpctrain/group_seconds"  # pytest's cache key: {xdist group: seconds in the last run}
+_LAST_SECONDS = pytest.StashKey[dict[str, float]]()
 
 
 def _last_seconds(config: pytest.Config) -> dict[str, float]:
@@ -88,9 +89,12 @@ def _last_seconds(config: pytest.Config) -> dict[str, float]:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         return dict(workerinput.get(GROUP_SECONDS, {}))
-    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
-    value = cache.get(GROUP_SECONDS, {}) if cache is not None else {}
-    return {str(k): float(v) for k, v in value.items()} if isinstance(value, dict) else {}
+    if _LAST_SECONDS not in config.stash:
+        cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+        value = cache.get(GROUP_SECONDS, {}) if cache is not None else {}
+        config.stash[_LAST_SECONDS] = ({str(k): float(v) for k, v in value.items()} if isinstance(value, dict)
+                                       else {})
+    return config.stash[_LAST_SECONDS]
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the controller, once per worker
@@ -108,10 +112,9 @@ class _GroupClock:
         self.config, self.spent = config, dict[str, float]()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if "@" not in report.nodeid:
-            return
-        group = report.nodeid.rsplit("@", 1)[1]
-        self.spent[group] = self.spent.get(group, 0.0) + report.duration
+        _, sep, group = report.nodeid.rpartition("@")
+        if sep:
+            self.spent[group] = self.spent.get(group, 0.0) + report.duration
 
     def pytest_sessionfinish(self, exitstatus: int) -> None:
         cache, option = getattr(self.config, "cache", None), self.config.option

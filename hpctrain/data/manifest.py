@@ -186,9 +186,9 @@ def _check_remote(root: Path, manifest: dict[str, Any], bad: Any) -> None:
     rec = manifest.get("remote")
     if rec is None:
         return
+    sizes = rec.get("sizes", {}) if isinstance(rec, dict) else None
     if not (isinstance(rec, dict) and isinstance(rec.get("url"), str) and isinstance(rec.get("options", {}), dict)
-            and isinstance(rec.get("sizes", {}), dict)
-            and all(isinstance(k, str) and _count(v) for k, v in rec.get("sizes", {}).items())):
+            and isinstance(sizes, dict) and all(isinstance(k, str) and _count(v) for k, v in sizes.items())):
         raise bad(f"'remote' is {_shown(rec)}, not {{url, options, sizes}}")
     try:
         mirrored = root.resolve().parent == (cache_root() / "remote").resolve()

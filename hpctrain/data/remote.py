@@ -60,10 +60,9 @@ def remote_of(manifest: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
     return str(rec["url"]), dict(rec.get("options") or {})
 
 
-def remote_splits(store: Store, listed: Mapping[str, int] | None = None) -> list[str]:
-    """The splits with a manifest at the store's top (``listed``: its listing, if already made)."""
-    keys = store.list() if listed is None else listed
-    return sorted(k[: -len(MANIFEST_SUFFIX)] for k in keys if k.endswith(MANIFEST_SUFFIX) and "/" not in k)
+def remote_splits(listed: Iterable[str]) -> list[str]:
+    """The splits with a manifest at the top of a store, from its listing's keys."""
+    return sorted(k[: -len(MANIFEST_SUFFIX)] for k in listed if k.endswith(MANIFEST_SUFFIX) and "/" not in k)
 
 
 def _fetch_split(store: Store, url: str, options: Mapping[str, Any], split: str, out: Path,
@@ -102,7 +101,7 @@ def mirror(url: str, options: Mapping[str, Any], splits: Sequence[str] | None = 
     url = url.rstrip("/")
     store = open_store(url, options)
     listed = store.list()  # once per node and run (shards_root): the splits, and every tar's size for the ranks
-    found = remote_splits(store, listed)
+    found = remote_splits(listed)
     wanted = [s for s in (splits or found) if s in found]
     if not found or (splits and splits[0] not in found):
         first = (splits or ["train"])[0]
@@ -286,7 +285,7 @@ def uploading(url: str, options: Mapping[str, Any]) -> tuple[Path, Callable[[Pat
 def other_classes(url: str, options: Mapping[str, Any], writing: Sequence[str]) -> tuple[str, ...] | None:
     """The class names of a split already at ``url`` that is not being rewritten (train's first)."""
     store = open_store(url, options)
-    others = sorted((s for s in remote_splits(store) if s not in writing), key=lambda s: s != "train")
+    others = sorted((s for s in remote_splits(store.list()) if s not in writing), key=lambda s: s != "train")
     for split in others:
         try:
             classes = json.loads(store.read(split + MANIFEST_SUFFIX)).get("classes")
@@ -302,7 +301,7 @@ def verify_remote(url: str, options: Mapping[str, Any], split: str | None, deep:
     """``hpctrain data verify URL``: each split's shards downloaded one at a time and checked as a
     local directory is; ``report(split, problems)`` per split; returns the number of problems."""
     store = open_store(url, options)
-    splits = [split] if split else remote_splits(store)
+    splits = [split] if split else remote_splits(store.list())
     if not splits:
         raise ShardError(f"{url} holds no *{MANIFEST_SUFFIX}; hint: hpctrain data shard SOURCE {url}")
     root = mirror(url, options, splits)
