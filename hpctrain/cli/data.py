@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.core.errors import UserError
-from hpctrain.core.storage import check_storage_options, is_url
+from hpctrain.core.storage import check_storage_options, is_url, parse_url
 from hpctrain.data.errors import CorruptSampleError, ShardError
 from hpctrain.data.indexing import index_existing
 from hpctrain.data.manifest import summarize
@@ -25,7 +25,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     splits = _shard_splits(args)
-    remote = is_url(args.out_dir)
+    remote = _is_remote(args)
     storage = _storage_options(args)
     known = other_classes(args.out_dir, storage, splits) if remote else _other_classes(Path(args.out_dir), splits)
     options = PackOptions(args.seq_len, args.glob, _val_fraction(args), num_classes=args.num_classes,
@@ -56,15 +56,26 @@ def _wrote(manifest: dict[str, Any], out: str, split: str) -> None:
           f"({total / 1e6:.1f} MB) to {out} (split {split})")
 
 
+def _is_remote(args: argparse.Namespace) -> bool:
+    """Whether OUT_DIR is an object-store URL; one that names no object is refused here (exit 2),
+    before any client is made."""
+    if not is_url(args.out_dir):
+        return False
+    parse_url(args.out_dir, "OUT_DIR")
+    return True
+
+
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    """--storage-option NAME=VALUE (repeatable), checked like data.storage_options."""
+    """--storage-option NAME=VALUE (repeatable), checked like data.storage_options (true/false and
+    whole numbers typed as the config's YAML would type them)."""
     raw: dict[str, Any] = {}
     for item in args.storage_option or []:
         name, eq, value = item.partition("=")
         if not eq:
             raise UserError(f"--storage-option {item!r} is not NAME=VALUE; example: --storage-option "
                             "endpoint_url=http://minio:9000")
-        raw[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+        number = value.isascii() and value.isdigit()
+        raw[name] = {"true": True, "false": False}.get(value.lower(), int(value) if number else value)
     return check_storage_options("--storage-option", raw)
 
 
@@ -119,7 +130,7 @@ def _splits(root: Path, split: str | None, unlisted: list[Problem]) -> list[str]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if is_url(args.out_dir):
+    if _is_remote(args):
         return 1 if verify_remote(args.out_dir, _storage_options(args), args.split, not args.quick, _report) else 0
     root = Path(args.out_dir)
     unlisted = [] if args.split else unlisted_shards(root)  # shards whose manifest is gone fail too
@@ -147,7 +158,7 @@ def _report(split: str, problems: list[Problem]) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     # on object storage: the manifests as mirrored (what a run reads)
-    rows = summarize(mirror(args.out_dir, _storage_options(args)) if is_url(args.out_dir) else args.out_dir)
+    rows = summarize(mirror(args.out_dir, _storage_options(args)) if _is_remote(args) else args.out_dir)
     if not rows:
         raise ShardError(f"{args.out_dir} holds no *.manifest.json; hint: hpctrain data shard SOURCE {args.out_dir}")
     if args.json:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hpctrain.core.section import ConfigError, at_least, opt, positive
-from hpctrain.core.storage import check_storage_options
+from hpctrain.core.storage import check_storage_options, parse_url
 
 # What checkpoint.signals may name. SIGHUP too: NCCL and other libraries may install their own SIGUSR1
 # handlers (why submitit moved to SIGHUP), and some sites reserve SIGUSR1 (docs/cluster.md).
@@ -62,10 +62,12 @@ def validate_checkpoint_config(c: CheckpointConfig) -> None:
 
 
 def _check_remote(c: CheckpointConfig) -> None:
-    if c.remote is not None and not re.match(r"s3://[^/]+", c.remote):
-        raise ConfigError(f"checkpoint.remote={c.remote!r} is not an s3://BUCKET/PREFIX URL; hint: "
-                          "checkpoint.remote=s3://my-bucket/runs/my-run (endpoint: AWS_ENDPOINT_URL or "
-                          "checkpoint.storage_options.endpoint_url)")
+    if c.remote is not None:
+        if not re.match(r"s3://[^/]+", c.remote):
+            raise ConfigError(f"checkpoint.remote={c.remote!r} is not an s3://BUCKET/PREFIX URL; hint: "
+                              "checkpoint.remote=s3://my-bucket/runs/my-run (endpoint: AWS_ENDPOINT_URL or "
+                              "checkpoint.storage_options.endpoint_url)")
+        parse_url(c.remote, "checkpoint.remote")  # bucket and key as the client takes them ('..', '//', ...)
     if c.remote_keep_last is not None and c.remote_keep_last < 1:
         raise ConfigError(f"checkpoint.remote_keep_last={c.remote_keep_last} must be >= 1 (or None = keep_last)")
     check_storage_options("checkpoint.storage_options", c.storage_options)

@@ -13,6 +13,10 @@ memory). Every such open goes through here:
    and whole-file reads read at most that size, so a file that grows meanwhile cannot make them
    read on.
 
+A limit that a genuine file could exceed is a :class:`Limit`: a default, and an environment
+variable that raises it (``HPCTRAIN_MAX_..._BYTES``), both named in the refusal, so the message says
+which limit refused the file and how to raise it.
+
 Failures are plain exceptions that callers wrap in their own error class and hint:
 ``OSError`` (missing, unreadable, a symlink loop: ``FileNotFoundError`` for a missing file) and
 :class:`UnsafeFileError` (a ``ValueError``: :class:`NotRegularError`, :class:`TooLargeError`,
@@ -24,7 +28,10 @@ from __future__ import annotations
 import io
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
+
+from hpctrain.core.errors import UserError
 
 _CHUNK = 16 << 20  # bytes per read of a whole-file read: no single allocation of a huge size
 
@@ -59,6 +66,30 @@ class WrongSizeError(UnsafeFileError):
     def __init__(self, path: str | os.PathLike[str], size: int, expected: int) -> None:
         super().__init__(f"{path} holds {size:,} bytes, {expected:,} were declared", path)
         self.size, self.expected = size, expected
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The most bytes hpctrain reads of one kind of file (``what``): ``default``, or the environment
+    variable ``env`` where it is set (a whole number of bytes)."""
+
+    what: str  # "a shard manifest or index"
+    env: str  # "HPCTRAIN_MAX_JSON_BYTES"
+    default: int
+
+    def bytes(self) -> int:
+        raw = os.environ.get(self.env, "").strip()
+        if not raw:
+            return self.default
+        if not (raw.isascii() and raw.isdigit()) or int(raw) <= 0:
+            raise UserError(f"{self.env}={raw!r} must be a whole number of bytes > 0 (the most {self.what} may hold; "
+                            f"default {self.default:,}); hint: unset it, or {self.env}={self.default}")
+        return int(raw)
+
+    def refusal(self, where: str, size: int) -> str:
+        """Why ``where`` (of ``size`` bytes) is refused, and how to raise the limit."""
+        return (f"{where} holds {size:,} bytes, more than the {self.bytes():,} that {self.what} may hold "
+                f"({self.env}); hint: if the file is genuine, raise the limit: {self.env}={size}")
 
 
 def file_kind(mode: int) -> str:

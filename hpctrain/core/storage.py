@@ -9,7 +9,14 @@ when the filesystem for it is installed. Credentials come from where boto3 finds
 (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and the
 config files, an instance role); the endpoint from ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``.
 ``storage_options`` may override endpoint, addressing style, region and profile, but never holds a
-secret, so neither a config file nor a run directory ever does. Every failure leaves a
+secret, so neither a config file nor a run directory ever does.
+
+What names a place is checked as a place before any client is made: the options are a closed set
+of typed values (a region is ``[a-z0-9-]``, an endpoint a host and port without ``user@``, query or
+fragment), every URL is parsed once (:func:`parse_url`) into bucket and prefix with ``..``, empty
+segments, whitespace, ``?``, ``#`` and control characters refused naming the setting, a key is
+checked the same way before each request, and a listing leaves out (and names) keys that no client
+can read instead of failing the prefix. Every failure leaves a
 :class:`Store` method as a :class:`UserError` (credentials, permissions, no such bucket: exit 2) or
 a :class:`RunError` (the store did not answer after ``retries`` attempts with exponential backoff:
 exit 1), one line, with the secrets of the environment taken out.
@@ -17,23 +24,28 @@ exit 1), one line, with the secrets of the environment taken out.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from hpctrain.core.atomic import replace_durably
 from hpctrain.core.errors import HpctrainError, RunError, UserError
 from hpctrain.core.section import ConfigError
 
+log = logging.getLogger("hpctrain")
 ADDRESSING = ("path", "virtual", "auto")
 DEFAULT_RETRIES = 4  # attempts after the first: 0.2 + 0.4 + 0.8 + 1.6 s of backoff before giving up
+MAX_RETRIES = 100  # beyond any store's outage worth waiting out; the client's counters stay in range
 _OPTIONS: dict[str, str] = {
     "endpoint_url": "the S3 endpoint, e.g. http://minio.site:9000 (default: AWS_ENDPOINT_URL, else AWS)",
     "addressing_style": "path (MinIO, Ceph RGW) | virtual | auto (virtual on AWS, path elsewhere)",
-    "region": "the bucket's region (default: AWS_REGION / AWS_DEFAULT_REGION / the profile's, else us-east-1)",
+    "region": "the bucket's region, [a-z0-9-] (default: AWS_DEFAULT_REGION / the profile's, else us-east-1)",
     "profile": "a profile of ~/.aws/config to take credentials and region from (default: AWS_PROFILE)",
     "anon": "true: unsigned requests (a public bucket)",
     "retries": "attempts after the first for a store that does not answer (default 4, backoff from 0.2 s)",
@@ -54,43 +66,89 @@ def is_url(path: str | os.PathLike[str] | None) -> bool:
 
 
 def check_storage_options(key: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` checked (a ConfigError naming ``key.NAME`` with a hint) and normalized."""
+    """``options`` checked (a ConfigError naming ``key.NAME`` with a hint) and normalized.
+
+    A closed set of typed values: every one of them ends up in a request (the endpoint, the host
+    name a region makes, the signature), so each is held to the form its kind has and nothing
+    else; no text of the config reaches a client unchecked."""
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{key}={options!r} must be a mapping of {', '.join(_OPTIONS)}")
     out: dict[str, Any] = {}
     for name, value in options.items():
         where = f"{key}.{name}"
         if name not in _OPTIONS:
-            if any(w in name.lower() for w in _SECRET_WORDS):
+            if any(w in str(name).lower() for w in _SECRET_WORDS):
                 raise ConfigError(f"{where}: credentials do not belong in the config (it is copied into the run "
                                   "directory); hint: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the job's "
                                   f"environment, or {key}.profile=NAME")
             raise ConfigError(f"unknown key '{where}'; valid keys: {', '.join(_OPTIONS)}")
-        out[name] = _checked(where, name, value)
+        out[name] = _CHECKS[name](where, value)
     return out
 
 
-def _checked(where: str, name: str, value: Any) -> Any:
-    if name == "endpoint_url":
-        if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value):
-            raise ConfigError(f"{where}={value!r} is not an http(s) URL; hint: {where}=http://HOST:PORT")
-        if "@" in value.split("://", 1)[1].split("/", 1)[0]:
-            raise ConfigError(f"{where}: credentials do not belong in the endpoint URL; hint: set AWS_ACCESS_KEY_ID "
-                              "and AWS_SECRET_ACCESS_KEY in the job's environment")
-        return value.rstrip("/")
-    if name == "addressing_style":
-        if value not in ADDRESSING:
-            raise ConfigError(f"{where}={value!r} is not allowed; choose one of: {', '.join(ADDRESSING)}")
-        return value
-    if name == "anon":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}={value!r} must be true or false")
-        return value
-    if name == "retries":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{where}={value!r} must be a whole number >= 0")
-        return value
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}={value!r} must be text")
+_REGION = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,62})")  # us-east-1, eu-central-2, a MinIO site's "garage-1"
+_PROFILE = re.compile(r"[A-Za-z0-9_.@+:-]{1,128}")  # a section name of ~/.aws/config
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]+\]")  # a DNS name, IPv4, [IPv6]
+_ENDPOINT_PATH = re.compile(r"(?:/[A-Za-z0-9._~-]+)*/?")  # a store behind a reverse proxy's path, or none
+
+
+def _check_endpoint(where: str, value: Any) -> str:
+    """An http(s) URL of a host (and port, and a plain path): nothing that could name another host
+    (``user@``), nor a query or fragment that would cut the request's path off."""
+    hint = f"hint: {where}=http://HOST:PORT"
+    if not isinstance(value, str) or _UNSAFE.search(value) or not re.match(r"^https?://[^/]", value):
+        raise ConfigError(f"{where}={value!r} is not an http(s) URL; {hint}")
+    parts = urlsplit(value)
+    if "@" in parts.netloc:
+        raise ConfigError(f"{where}: credentials do not belong in the endpoint URL; hint: set AWS_ACCESS_KEY_ID "
+                          "and AWS_SECRET_ACCESS_KEY in the job's environment")
+    host = parts.netloc.rsplit(":", 1)[0] if not parts.netloc.endswith("]") else parts.netloc
+    try:
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        port_ok = False
+    if (not _HOST.fullmatch(host) or not port_ok or parts.query or parts.fragment or "?" in value or "#" in value
+            or not _ENDPOINT_PATH.fullmatch(parts.path) or ".." in parts.path.split("/")):
+        raise ConfigError(f"{where}={value!r} is not an http(s) URL of a host and port (no query, fragment or '..'); "
+                          f"{hint}")
+    return value.rstrip("/")
+
+
+def _check_choice(where: str, value: Any) -> str:
+    if value not in ADDRESSING:
+        raise ConfigError(f"{where}={value!r} is not allowed; choose one of: {', '.join(ADDRESSING)}")
+    return str(value)
+
+
+def _check_region(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not _REGION.fullmatch(value):
+        raise ConfigError(f"{where}={value!r} is not a region name (lower-case letters, digits and '-', e.g. "
+                          f"us-east-1); hint: {where}=us-east-1, or leave it unset")
     return value
+
+
+def _check_profile(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not _PROFILE.fullmatch(value):
+        raise ConfigError(f"{where}={value!r} is not a profile name (letters, digits, '_', '.', '@', '+', ':', '-'); "
+                          "hint: the name of a [profile NAME] section of ~/.aws/config")
+    return value
+
+
+def _check_anon(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}={value!r} must be true or false")
+    return value
+
+
+def _check_retries(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RETRIES:
+        raise ConfigError(f"{where}={value!r} must be a whole number from 0 to {MAX_RETRIES}")
+    return value
+
+
+_CHECKS: dict[str, Any] = {"endpoint_url": _check_endpoint, "addressing_style": _check_choice,
+                           "region": _check_region, "profile": _check_profile, "anon": _check_anon,
+                           "retries": _check_retries}
 
 
 def redact(text: str) -> str:
@@ -102,29 +160,84 @@ def redact(text: str) -> str:
     return re.sub(r"(://[^/\s:@]+):[^/\s@]+@", r"\1:***@", text)
 
 
-def split_url(url: str) -> tuple[str, str, str]:
-    """(scheme, bucket, prefix without slashes at either end) of ``scheme://bucket/prefix``."""
-    m = _URL.match(url)
+# ---------------------------------------------------------------- URLs and keys
+
+# what no object key hpctrain writes holds, and what a client or a server could read as something else:
+# whitespace, '?' and '#' (a query, a fragment), a backslash, control characters (C0, DEL, C1)
+_UNSAFE = re.compile(r"[\s?#\\\x00-\x1f\x7f-\x9f]")
+_BUCKET = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")  # S3's rules, and Ceph's older ones
+_URL_HINT = "hint: s3://BUCKET/PREFIX, without '..', '//', spaces, '?', '#' or control characters"
+
+
+class StoreUrlError(ConfigError):
+    """A URL (or a key in one) that names no object hpctrain reads: refused before any client sees it."""
+
+
+@dataclass(frozen=True)
+class StoreUrl:
+    """``scheme://bucket/prefix`` parsed once: every client and message takes its parts from here."""
+
+    scheme: str
+    bucket: str
+    prefix: str  # no slash at either end; its segments checked (:func:`key_problem`)
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
+
+
+def key_problem(key: str) -> str | None:
+    """Why ``key`` (an object key or a prefix, ``/``-separated) names no object hpctrain reads, in
+    words; None when it is fine. obstore refuses (or panics on) the same keys."""
+    for segment in key.split("/"):
+        if segment == "":
+            return "an empty segment ('//', or a leading '/')"
+        if segment in (".", ".."):
+            return f"a {segment!r} segment"
+    bad = _UNSAFE.search(key)
+    if bad is None:
+        return None
+    char = bad.group()
+    named = {" ": "a space", "?": "a '?'", "#": "a '#'", "\\": "a backslash"}.get(char)
+    return named or (f"the whitespace {char!r}" if char.isspace() else f"the control character {char!r}")
+
+
+def parse_url(url: str | StoreUrl, key: str = "URL") -> StoreUrl:
+    """``url`` as (scheme, bucket, prefix), or :class:`StoreUrlError` (exit 2, one line) naming
+    ``key`` (the config key or argument that gave it) and the URL: a bucket that is not a bucket
+    name, a prefix with an empty, ``.`` or ``..`` segment, whitespace, ``?``, ``#``, a backslash or a
+    control character. Trailing slashes are dropped. The one parser of every object-store URL
+    (``data.path``, ``data.mix[i].path``, ``checkpoint.remote``, ``hpctrain data|ckpt ... URL``)."""
+    if isinstance(url, StoreUrl):
+        return url
+    m = _URL.match(url) if isinstance(url, str) else None
     if m is None:
-        raise UserError(f"{url!r} is not a URL; hint: s3://BUCKET/PREFIX")
-    rest = url[m.end():]
-    bucket, _, prefix = rest.partition("/")
+        raise StoreUrlError(f"{key}={url!r} is not a URL; {_URL_HINT}")
+    bucket, _, prefix = url[m.end():].partition("/")
     if not bucket:
-        raise UserError(f"{url!r} names no bucket; hint: s3://BUCKET/PREFIX")
-    return m.group(1).lower(), bucket, prefix.strip("/")
+        raise StoreUrlError(f"{key}={url!r} names no bucket; {_URL_HINT}")
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise StoreUrlError(f"{key}={url!r}: {bucket!r} is not a bucket name (letters, digits, '.', '-', '_'; at "
+                            f"most 63); {_URL_HINT}")
+    prefix = prefix.rstrip("/")
+    problem = key_problem(prefix) if prefix else None
+    if problem:
+        raise StoreUrlError(f"{key}={url!r}: its path has {problem}; {_URL_HINT}")
+    return StoreUrl(m.group(1).lower(), bucket, prefix)
 
 
-def open_store(url: str, options: Mapping[str, Any] | None = None) -> Store:
-    """The client for ``url`` (``s3://bucket/prefix`` or another fsspec URL); keys are relative to it."""
+def open_store(url: str | StoreUrl, options: Mapping[str, Any] | None = None, *, key: str = "URL") -> Store:
+    """The client for ``url`` (``s3://bucket/prefix`` or another fsspec URL); keys are relative to it.
+    ``url`` and ``options`` are checked before a client is made (``key`` names the URL's setting)."""
     opts = check_storage_options("storage_options", options or {})
-    scheme = split_url(url)[0]
-    if scheme in ("s3", "s3a"):
+    place = parse_url(url, key)
+    if place.scheme in ("s3", "s3a"):
         if _OBSTORE_PID[0] not in (None, os.getpid()):
             # a process forked from one that ran obstore (a DataLoader worker): obstore's runtime did not
             # survive the fork and would hang, so this process reads through boto3's client
-            return Store(url, _Boto3Backend(url, opts), opts)
-        return Store(url, _S3Backend(url, opts), opts)
-    return Store(url, _FsspecBackend(url, opts), opts)
+            return Store(place, _Boto3Backend(place, opts), opts)
+        return Store(place, _S3Backend(place, opts), opts)
+    return Store(place, _FsspecBackend(place, opts), opts)
 
 
 _OBSTORE_PID: list[int | None] = [None]  # the process that started obstore's runtime (inherited by a fork)
@@ -135,8 +248,8 @@ class Store:
 
     Thread-safe (the backends are), and picklable (a DataLoader worker re-opens the connection)."""
 
-    def __init__(self, url: str, backend: Any, options: dict[str, Any]) -> None:
-        self.url, self._backend, self.options = url.rstrip("/"), backend, options
+    def __init__(self, place: StoreUrl, backend: Any, options: dict[str, Any]) -> None:
+        self.place, self.url, self._backend, self.options = place, place.url, backend, options
 
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "options": self.options}
@@ -149,6 +262,10 @@ class Store:
         return f"{self.url}/{key}" if key else self.url
 
     def _call(self, what: str, key: str, fn: Any, *args: Any) -> Any:
+        problem = key_problem(key) if key else None
+        if problem:  # a key from a manifest or a caller: refused here, never handed to the client
+            raise StoreUrlError(f"{what} {self.where(key)}: the key has {problem}; no object hpctrain writes is "
+                                "named so; hint: check the manifest or the path that named it")
         try:
             return fn(*args)
         except FileNotFoundError:
@@ -159,9 +276,12 @@ class Store:
             raise storage_error(err, f"{what} {self.where(key)}") from None
 
     def list(self, prefix: str = "") -> dict[str, int]:
-        """Every object under ``prefix`` (recursive): key -> size in bytes."""
-        found: dict[str, int] = self._call("listing", prefix, self._backend.list, prefix)
-        return found
+        """Every object under ``prefix`` (recursive): key -> size in bytes. Keys no hpctrain writer
+        makes and no client reads (a ``..`` or empty segment, ``?``, ...) are left out, named in
+        one warning: a stray object must not make the whole prefix unreadable."""
+        bare = prefix.rstrip("/")  # "step-1/": the objects in that folder (the key checked is its name)
+        found: dict[str, int] = self._call("listing", bare, self._backend.list, prefix)
+        return skip_unreadable(self.where(bare), found)
 
     def exists(self, key: str) -> bool:
         try:
@@ -218,6 +338,26 @@ class Store:
             pass
 
 
+def skip_unreadable(where: str, found: Mapping[str, int]) -> dict[str, int]:
+    """``found`` (key -> size) without the keys :func:`key_problem` refuses, which one warning names
+    (the first five); a directory marker (``dir/``, as consoles make) is dropped without a word."""
+    kept: dict[str, int] = {}
+    bad: list[str] = []
+    for key, size in found.items():
+        if key.endswith("/") and not key_problem(key.rstrip("/") or "x"):
+            continue
+        if key_problem(key):
+            bad.append(key)
+        else:
+            kept[key] = size
+    if bad:
+        shown = ", ".join(repr(k) for k in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        log.warning("listing %s: skipped %d key(s) that name no object hpctrain reads (an empty, '.' or '..' segment, "
+                    "whitespace, '?', '#', a backslash or a control character): %s; hint: rename or remove them",
+                    redact(where), len(bad), shown)
+    return kept
+
+
 # ---------------------------------------------------------------- errors
 
 _USER_WORDS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket", "ExpiredToken",
@@ -251,7 +391,17 @@ def _short(detail: str) -> str:
 
 
 def _endpoint(opts: Mapping[str, Any]) -> str | None:
-    return opts.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    """The endpoint: the option's (checked with the config), else the environment's, held to the same
+    form (a variable set by a site's module is as likely to carry a stray character)."""
+    if opts.get("endpoint_url"):
+        return str(opts["endpoint_url"])
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(var):
+            try:
+                return _check_endpoint(var, os.environ[var])
+            except ConfigError as err:
+                raise UserError(f"{err} (in the environment)") from None
+    return None
 
 
 def _session(opts: Mapping[str, Any]) -> Any:
@@ -265,15 +415,26 @@ def _session(opts: Mapping[str, Any]) -> Any:
                         "~/.aws/config, or unset it") from None
 
 
-def _s3_settings(url: str, opts: Mapping[str, Any]) -> tuple[Any, str | None, str, bool, int]:
-    """(boto3 session, endpoint, region, virtual-hosted addressing, retries) for ``url``."""
+def _region(opts: Mapping[str, Any], session: Any) -> str:
+    """The option's region (checked with the config), else the environment's or the profile's, held to
+    the same form: the region is part of the host name every request goes to."""
+    region = opts.get("region") or session.region_name or "us-east-1"
+    if not _REGION.fullmatch(str(region)):
+        raise UserError(f"the region {region!r} (from AWS_DEFAULT_REGION or the profile) is not a region "
+                        "name (lower-case letters, digits and '-'); hint: set storage_options.region=us-east-1, or fix "
+                        "the variable or the profile")
+    return str(region)
+
+
+def _s3_settings(place: StoreUrl, opts: Mapping[str, Any]) -> tuple[Any, str | None, str, bool, int]:
+    """(boto3 session, endpoint, region, virtual-hosted addressing, retries) for ``place``."""
     session = _session(opts)
     endpoint = _endpoint(opts)
-    region = opts.get("region") or session.region_name or "us-east-1"
+    region = _region(opts, session)
     style = opts.get("addressing_style", "auto")
     virtual = style == "virtual" or (style == "auto" and not endpoint)  # MinIO and Ceph serve paths
     if not opts.get("anon") and session.get_credentials() is None:
-        raise UserError(f"{url}: no credentials found; hint: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        raise UserError(f"{place.url}: no credentials found; hint: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                         "(or AWS_PROFILE) in the job's environment, or storage_options.anon=true for a public bucket")
     return session, endpoint, region, virtual, int(opts.get("retries", DEFAULT_RETRIES))
 
@@ -281,16 +442,15 @@ def _s3_settings(url: str, opts: Mapping[str, Any]) -> tuple[Any, str | None, st
 class _S3Backend:
     """obstore's S3Store over one bucket and prefix."""
 
-    def __init__(self, url: str, opts: Mapping[str, Any]) -> None:
+    def __init__(self, place: StoreUrl, opts: Mapping[str, Any]) -> None:
         try:
             import obstore  # optional: the s3 extra
             from obstore.store import S3Store  # optional: the s3 extra
         except ImportError:
-            raise UserError(f"{url}: reading object storage needs obstore and boto3; hint: pip install "
+            raise UserError(f"{place.url}: reading object storage needs obstore and boto3; hint: pip install "
                             "'hpctrain[s3]'") from None
-        self._obs = obstore
-        _, bucket, prefix = split_url(url)
-        session, endpoint, region, virtual, retries = _s3_settings(url, opts)
+        self._obs, self._place, self._opts = obstore, place, opts
+        session, endpoint, region, virtual, retries = _s3_settings(place, opts)
         config: dict[str, Any] = {"region": region, "virtual_hosted_style_request": virtual}
         if endpoint:
             config["endpoint"] = endpoint
@@ -306,7 +466,7 @@ class _S3Backend:
 
             provider = Boto3CredentialProvider(session)
         _OBSTORE_PID[0] = os.getpid()
-        self.store = S3Store(bucket, prefix=prefix or None, config=config,  # type: ignore[arg-type]
+        self.store = S3Store(place.bucket, prefix=place.prefix or None, config=config,  # type: ignore[arg-type]
                              client_options=client, retry_config=retry,  # type: ignore[arg-type]
                              credential_provider=provider)  # type: ignore[arg-type]
 
@@ -323,9 +483,14 @@ class _S3Backend:
 
     def list(self, prefix: str) -> dict[str, int]:
         out: dict[str, int] = {}
-        for batch in self._obs.list(self.store, prefix or None):
-            for meta in batch:
-                out[str(meta["path"])] = int(meta["size"])
+        try:
+            for batch in self._obs.list(self.store, prefix or None):
+                for meta in batch:
+                    out[str(meta["path"])] = int(meta["size"])
+        except self._obs.exceptions.InvalidPathError:
+            # a key obstore cannot parse (a '..' or '//' in it) fails the whole listing: boto3's keeps
+            # every key as it is, and Store.list leaves out (and names) the ones hpctrain cannot read
+            return _Boto3Backend(self._place, self._opts).list(prefix)
         return out
 
     def size(self, key: str) -> int:
@@ -358,12 +523,11 @@ class _S3Backend:
 class _Boto3Backend:
     """boto3's client over one bucket and prefix: for a process forked after obstore ran in its parent."""
 
-    def __init__(self, url: str, opts: Mapping[str, Any]) -> None:
+    def __init__(self, place: StoreUrl, opts: Mapping[str, Any]) -> None:
         from botocore.config import Config  # type: ignore[import-untyped]  # optional: the s3 extra
 
-        _, self.bucket, prefix = split_url(url)
-        self.prefix = f"{prefix}/" if prefix else ""
-        session, endpoint, region, virtual, retries = _s3_settings(url, opts)
+        self.bucket, self.prefix = place.bucket, f"{place.prefix}/" if place.prefix else ""
+        session, endpoint, region, virtual, retries = _s3_settings(place, opts)
         config = Config(region_name=region, connect_timeout=5, read_timeout=120,
                         retries={"max_attempts": retries + 1, "mode": "standard"},
                         s3={"addressing_style": "virtual" if virtual else "path"},
@@ -426,18 +590,17 @@ def _unsigned() -> Any:
 class _FsspecBackend:
     """Any other URL whose fsspec filesystem is installed (gs://, az://, memory://, ...)."""
 
-    def __init__(self, url: str, opts: Mapping[str, Any]) -> None:
+    def __init__(self, place: StoreUrl, opts: Mapping[str, Any]) -> None:
         try:
             import fsspec  # type: ignore[import-untyped]  # optional: only for URLs other than s3://
         except ImportError:
-            raise UserError(f"{url}: this URL needs fsspec; hint: pip install fsspec") from None
-        scheme, bucket, prefix = split_url(url)
+            raise UserError(f"{place.url}: this URL needs fsspec; hint: pip install fsspec") from None
         try:
-            self.fs = fsspec.filesystem(scheme)
+            self.fs = fsspec.filesystem(place.scheme)
         except (ImportError, ValueError) as err:
-            raise UserError(f"{url}: no filesystem for {scheme}:// is installed ({err}); hint: install the fsspec "
-                            "implementation for it, or use s3://") from None
-        self.root = f"{scheme}://{bucket}" + (f"/{prefix}" if prefix else "")
+            raise UserError(f"{place.url}: no filesystem for {place.scheme}:// is installed ({err}); hint: install "
+                            "the fsspec implementation for it, or use s3://") from None
+        self.root = place.url
 
     def _p(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root

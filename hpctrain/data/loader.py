@@ -139,8 +139,8 @@ class ShardedLoader(MapStyleLoader):
 
     def _check_truncation(self, on_corrupt: OnCorrupt) -> None:
         for shard, key in self.index.truncated():
-            msg = (f"shard {self.index.root / shard} is truncated: sample {key!r} and those after it lie past the end "
-                   f"of the file; hint: hpctrain data verify {self.index.root}")
+            msg = (f"shard {self.index.where(shard)} is truncated: sample {key!r} and those after it lie past the end "
+                   f"of the file; hint: hpctrain data verify {self.index.place()}")
             if on_corrupt == "stop":
                 raise TruncatedShardError(msg + "; data.on_corrupt=skip skips them")
             log.warning("%s (data.on_corrupt=skip: they will be skipped and counted)", msg)

@@ -40,8 +40,10 @@ LABEL_EXTS = ("cls", "label", "target", "class", "cls2", "index")
 
 
 # A manifest or index larger than this was not written by hpctrain (the index of a 256 MB shard of
-# small samples is a few MB): refused before it is read, so a crafted file cannot exhaust memory.
+# small samples is a few MB): refused before it is read (or downloaded, from a store), so a crafted
+# file cannot exhaust memory. HPCTRAIN_MAX_JSON_BYTES raises it for a genuine giant.
 MAX_JSON_BYTES = 2**30
+JSON_LIMIT = safe_open.Limit("a shard manifest or index", "HPCTRAIN_MAX_JSON_BYTES", MAX_JSON_BYTES)
 INDEX_DIR_PREFIX = ".hpctrain-index-"  # hpctrain.data.foreign's index of a brace pattern, inside the data directory
 _HINT = "hint: write the split again (`hpctrain data shard` or `hpctrain data index`), then `hpctrain data verify`"
 
@@ -59,15 +61,18 @@ def plain_name(value: Any) -> bool:
             and "\0" not in value)
 
 
-def read_regular(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of a regular file no larger than ``limit`` (:mod:`hpctrain.core.safe_open`): a FIFO
-    or device in its place is refused instead of stalling or streaming forever, and an oversized
-    file is refused instead of allocated."""
+def read_regular(path: Path, what: str, limit: int | None = None) -> bytes:
+    """The bytes of a regular file no larger than ``limit`` (default: :data:`JSON_LIMIT`;
+    :mod:`hpctrain.core.safe_open`): a FIFO or device in its place is refused instead of stalling or
+    streaming forever, and an oversized file is refused instead of allocated."""
+    bound = JSON_LIMIT.bytes() if limit is None else limit
     try:
-        return safe_open.read_regular(path, limit=limit)
+        return safe_open.read_regular(path, limit=bound)
     except safe_open.NotRegularError as err:
         raise ShardError(f"{what} {path} is not a regular file (a FIFO, device or directory); {_HINT}") from err
     except safe_open.TooLargeError as err:
+        if limit is None:
+            raise ShardError(JSON_LIMIT.refusal(f"{what} {path}", err.size)) from err
         raise ShardError(f"{what} {path} is {err.size} bytes, more than the {limit} a {what} can be; {_HINT}") from err
     except OSError as err:
         raise ShardError(f"{what} {path} cannot be opened: {err.strerror}; {_HINT}") from err

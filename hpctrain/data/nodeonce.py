@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import EXIT_RUN_FAILED, HpctrainError, PeerError, RunError, agree
+from hpctrain.core.safe_open import read_regular
 
 POLL_S = 0.2
+MARKER_BYTES = 1 << 20  # a failure's message and exit code: far below this
 _JOB_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID",
              "SLURM_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
 
@@ -72,12 +74,23 @@ def _wait(phase: str, token: str, ready: Callable[[], bool], timeout_s: float) -
     marker = failure_marker(token)
     while not ready():
         if marker.is_file():
-            failed = json.loads(marker.read_text())
-            raise PeerError(failed["message"], exit_code=int(failed["exit_code"]))
+            raise _peer_failure(marker)
         if time.monotonic() > deadline:
             raise NodeWaitTimeout(f"waited {timeout_s:.0f} s for local rank 0 to finish {phase}; "
                                   "hint: look at local rank 0's log")
         time.sleep(POLL_S)
+
+
+def _peer_failure(marker: Path) -> PeerError:
+    """Local rank 0's failure as its marker tells it. The marker lies in a shared temporary directory:
+    read bounded and regular-file-only, and anything but local rank 0's record is still a failure,
+    said as such, never a wait on a FIFO or a traceback."""
+    try:
+        failed = json.loads(read_regular(marker, limit=MARKER_BYTES))
+        return PeerError(str(failed["message"]), exit_code=int(failed["exit_code"]))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # UnsafeFileError is a ValueError
+        return PeerError(f"local rank 0 failed, and its failure marker {marker} cannot be read; hint: look at local "
+                         "rank 0's log", exit_code=EXIT_RUN_FAILED)
 
 
 def once_per_node(phase: str, env: ClusterEnv, work: Callable[[], None], ready: Callable[[], bool],

@@ -34,18 +34,42 @@ from hpctrain.config.data import DataConfig
 from hpctrain.core.atomic import atomic_write_bytes
 from hpctrain.core.cache import cache_root
 from hpctrain.core.env import ClusterEnv
-from hpctrain.core.storage import Store, is_url, open_store
+from hpctrain.core.errors import RunError
+from hpctrain.core.storage import Store, is_url, key_problem, open_store
 from hpctrain.data.errors import ShardError
 from hpctrain.data.foreign import shards_root as local_shards_root
-from hpctrain.data.manifest import MAX_JSON_BYTES, check_manifest, file_sha256, load_manifest, parse_json
+from hpctrain.data.manifest import (
+    JSON_LIMIT,
+    check_manifest,
+    file_sha256,
+    load_manifest,
+    parse_json,
+    plain_name,
+    read_regular,
+)
 from hpctrain.data.nodeonce import once_per_node
-from hpctrain.data.verify import Problem, label_spec, verify_shard
+from hpctrain.data.verify import Problem, label_spec, no_shards, verify_shard
 
 log = logging.getLogger("hpctrain")
 BLOCK = 8 << 20  # readahead unit: large enough to amortise a request, small enough to start early
 THREADS = 8  # ranged reads in flight per process
 BUDGET = 512 << 20  # bytes of shard data one process holds or has in flight
 MANIFEST_SUFFIX = ".manifest.json"
+
+
+class ShardGoneError(RunError):
+    """A tar the store listed when the run started is not there any more (deleted or renamed since):
+    the run stops (exit 1) naming it; nothing of the sample's is at fault, so it is never skipped."""
+
+
+def gone(store: Store, name: str) -> ShardGoneError:
+    return ShardGoneError(f"shard {store.where(name)} is gone from the store: it was listed when the run started "
+                          f"(deleted or renamed since?); hint: upload it again (hpctrain data shard SOURCE "
+                          f"{store.url}), check with `hpctrain data verify {store.url}`, then resume")
+
+
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def mirror_root(url: str) -> Path:
@@ -65,26 +89,46 @@ def remote_splits(listed: Iterable[str]) -> list[str]:
     return sorted(k[: -len(MANIFEST_SUFFIX)] for k in listed if k.endswith(MANIFEST_SUFFIX) and "/" not in k)
 
 
+def read_listed(store: Store, key: str, listed: Mapping[str, int], what: str) -> bytes:
+    """``key`` (a manifest or an index) read whole, at most the size the listing gave: refused before a
+    byte is downloaded when that is beyond :data:`JSON_LIMIT` (an object grown since the listing is
+    read short, and then fails its check)."""
+    size = listed.get(key)
+    if size is None:
+        raise ShardError(f"{what} {store.where(key)} is missing from the store; hint: write the split again "
+                         f"(hpctrain data shard SOURCE {store.url}), then `hpctrain data verify {store.url}`")
+    if size > JSON_LIMIT.bytes():
+        raise ShardError(JSON_LIMIT.refusal(f"{what} {store.where(key)}", size))
+    try:
+        return store.read_range(key, 0, size)
+    except FileNotFoundError:
+        raise ShardError(f"{what} {store.where(key)} was deleted from the store while it was read; hint: run again "
+                         f"once the split is written whole (`hpctrain data verify {store.url}`)") from None
+
+
 def _fetch_split(store: Store, url: str, options: Mapping[str, Any], split: str, out: Path,
                  listed: Mapping[str, int]) -> None:
     """One split's manifest and indexes into ``out``, with the tars' sizes from the store's listing
     (``listed``), so that no rank lists the store again; an unchanged file is not rewritten."""
     key = split + MANIFEST_SUFFIX
-    raw = store.read(key)
-    if len(raw) > MAX_JSON_BYTES:
-        raise ShardError(f"manifest {store.where(key)} is {len(raw)} bytes, more than a manifest can be")
-    manifest = parse_json(raw, "manifest", Path(store.where(key)))
+    manifest = parse_json(read_listed(store, key, listed, "manifest"), "manifest", Path(store.where(key)))
     if not isinstance(manifest, dict) or "data_dir" in manifest or "remote" in manifest:
         raise ShardError(f"{store.where(key)} is not a manifest of shards beside it; hint: write the split with "
                          f"`hpctrain data shard SOURCE {url}`")
     check_manifest(Path(store.where(key)), out, manifest)
     for shard in manifest["shards"]:
+        # on a store the tars and indexes lie beside the manifest, under keys a client can read
+        for name in (shard["name"], shard["index"]):
+            if not plain_name(name) or key_problem(name):
+                raise ShardError(f"manifest {store.where(key)}: shard {shard['name']!r}: {name!r} is not a key "
+                                 f"beside the manifest (a plain name without whitespace, '?' or '#'); hint: hpctrain "
+                                 f"data shard SOURCE {url}")
         local = out / shard["index"]
         want = shard.get("index_sha256")
-        if local.is_file() and isinstance(want, str) and hashlib.sha256(local.read_bytes()).hexdigest() == want:
+        if local.is_file() and isinstance(want, str) and sha256_of(read_regular(local, "index")) == want:
             continue
-        data = store.read(shard["index"])
-        if isinstance(want, str) and hashlib.sha256(data).hexdigest() != want:
+        data = read_listed(store, shard["index"], listed, "index")
+        if isinstance(want, str) and sha256_of(data) != want:
             raise ShardError(f"index {store.where(shard['index'])} has another sha256 than the manifest lists; hint: "
                              f"hpctrain data verify {url}")
         atomic_write_bytes(local, data)
@@ -149,13 +193,25 @@ class ShardReader:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    def _range(self, shard: int, start: int, end: int) -> bytes:
+        try:
+            return self.store.read_range(self.names[shard], start, end)
+        except FileNotFoundError:
+            raise gone(self.store, self.names[shard]) from None
+
+    def _ranges(self, shard: int, starts: list[int], ends: list[int]) -> list[bytes]:
+        try:
+            return self.store.read_ranges(self.names[shard], starts, ends)
+        except FileNotFoundError:
+            raise gone(self.store, self.names[shard]) from None
+
     def _block(self, shard: int, b: int) -> Future[bytes]:
         with self.lock:
             fut = self.blocks.get((shard, b))
             if fut is None:
                 start = b * self.block
                 end = min(self.sizes[shard], start + self.block)
-                fut = self.pool.submit(self.store.read_range, self.names[shard], start, end)
+                fut = self.pool.submit(self._range, shard, start, end)
                 self.blocks[(shard, b)] = fut
                 while len(self.blocks) > self.window:  # the least recently used block goes
                     self.blocks.popitem(last=False)
@@ -188,8 +244,7 @@ class ShardReader:
                 by_shard.setdefault(shard, []).append((start, length))
         for shard, spans in by_shard.items():
             # one call per shard: the client coalesces near ranges and fetches them concurrently
-            fut = self.pool.submit(self.store.read_ranges, self.names[shard], [s for s, _ in spans],
-                                   [s + n for s, n in spans])
+            fut = self.pool.submit(self._ranges, shard, [s for s, _ in spans], [s + n for s, n in spans])
             for i, (start, length) in enumerate(spans):
                 self.ranges[(shard, start, length)] = _pick(fut, i)
 
@@ -200,7 +255,7 @@ class ShardReader:
         if fut is not None:
             return fut.result()
         if not self.readahead:
-            return self.store.read_range(self.names[shard], start, start + length)
+            return self._range(shard, start, start + length)
         first, last = start // self.block, (start + length - 1) // self.block
         self._ahead(shard, first)
         off = start - first * self.block
@@ -250,7 +305,10 @@ def remote_sizes(manifest: Mapping[str, Any]) -> dict[str, int]:
 def download_verified(store: Store, shard: Mapping[str, Any], dst: Path) -> dict[str, Any]:
     """One tar of a mirrored manifest downloaded from ``store`` to ``dst`` (durably), accepted only
     with the manifest's sha256; a mismatch leaves nothing at ``dst``."""
-    store.get_file(shard["name"], dst)
+    try:
+        store.get_file(shard["name"], dst)
+    except FileNotFoundError:
+        raise gone(store, shard["name"]) from None
     sha = file_sha256(dst)
     if sha != shard["sha256"]:
         dst.unlink(missing_ok=True)
@@ -285,11 +343,12 @@ def uploading(url: str, options: Mapping[str, Any]) -> tuple[Path, Callable[[Pat
 def other_classes(url: str, options: Mapping[str, Any], writing: Sequence[str]) -> tuple[str, ...] | None:
     """The class names of a split already at ``url`` that is not being rewritten (train's first)."""
     store = open_store(url, options)
-    others = sorted((s for s in remote_splits(store.list()) if s not in writing), key=lambda s: s != "train")
+    listed = store.list()
+    others = sorted((s for s in remote_splits(listed) if s not in writing), key=lambda s: s != "train")
     for split in others:
         try:
-            classes = json.loads(store.read(split + MANIFEST_SUFFIX)).get("classes")
-        except (ValueError, AttributeError):
+            classes = json.loads(read_listed(store, split + MANIFEST_SUFFIX, listed, "manifest")).get("classes")
+        except (ValueError, AttributeError, RecursionError):  # ShardError too: not a manifest to follow
             continue
         if classes:
             return tuple(str(c) for c in classes)
@@ -310,7 +369,7 @@ def verify_remote(url: str, options: Mapping[str, Any], split: str | None, deep:
         for name in splits:
             manifest = load_manifest(root, name)
             sizes = remote_sizes(manifest)
-            problems: list[Any] = []
+            problems: list[Any] = [] if manifest["shards"] else [no_shards(name, store.url)]
             for shard in manifest["shards"]:
                 if shard["name"] not in sizes:
                     problems.append(Problem(shard["name"], None, "file is missing"))
@@ -321,7 +380,11 @@ def verify_remote(url: str, options: Mapping[str, Any], split: str | None, deep:
                                                                      f"{shard['bytes']} (truncated?)"))
                     continue
                 local = Path(tmp) / shard["name"]
-                store.get_file(shard["name"], local)
+                try:
+                    store.get_file(shard["name"], local)
+                except FileNotFoundError:  # deleted since the listing
+                    problems.append(Problem(shard["name"], None, "file is missing (deleted since the listing)"))
+                    continue
                 problems += verify_shard(root, shard, deep=deep, tars=Path(tmp), labels=label_spec(manifest),
                                          fields=manifest["fields"])
                 local.unlink()

@@ -45,9 +45,10 @@ class ShardIndex:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def where(self, shard: int) -> str:
-        """Shard ``shard``'s location, for messages: a path, or its URL on the store."""
-        name = self.shards[shard]["name"]
+    def where(self, shard: int | str) -> str:
+        """Shard ``shard``'s location (by number or name), for messages: a path, or its URL on the store
+        (never the metadata mirror's directory, where no tar is)."""
+        name = shard if isinstance(shard, str) else self.shards[int(shard)]["name"]
         return f"{self.remote[0]}/{name}" if self.remote else str(self.data_root / name)
 
     def place(self) -> str:
@@ -77,8 +78,11 @@ class ShardIndex:
 
     def _check_listed(self) -> None:
         assert self.remote is not None
+        if not self.shards:
+            raise ShardError(f"{self.remote[0]}/{self.split}.manifest.json lists no shards; hint: write the split "
+                             f"again (hpctrain data shard SOURCE {self.remote[0]} --split {self.split})")
         missing = [s["name"] for s in self.shards if s["name"] not in self._remote_sizes]
-        if missing or not self.shards:
+        if missing:
             shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
             raise ShardError(f"{len(missing)} of the {len(self.shards)} shards that {self.remote[0]}/{self.split}"
                              f".manifest.json lists are missing from the store: {shown}; hint: upload them again "

@@ -27,7 +27,7 @@ from hpctrain.core.errors import RunError, UserError
 from hpctrain.core.safe_open import TooLargeError, UnsafeFileError, WrongSizeError, open_regular
 from hpctrain.data.errors import ShardError
 from hpctrain.data.manifest import (
-    MAX_JSON_BYTES,
+    JSON_LIMIT,
     data_dir,
     load_manifest,
     manifest_path,
@@ -185,7 +185,7 @@ def copy_split(source: Path, target: Path, split: str) -> dict[str, dict[str, An
         index = Path(shard["index"]).name
         index_sha = shard.get("index_sha256")  # optional: older manifests lack it
         files[index] = copy_verified(source / shard["index"], target / index,
-                                     index_sha if isinstance(index_sha, str) else None, limit=MAX_JSON_BYTES)
+                                     index_sha if isinstance(index_sha, str) else None, limit=JSON_LIMIT.bytes())
     moved = "data_dir" in manifest or "remote" in manifest
     if moved or any(Path(s["index"]).is_absolute() for s in manifest["shards"]):
         manifest.pop("data_dir", None)

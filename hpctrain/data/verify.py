@@ -43,12 +43,18 @@ def verify(root: str | Path, split: str, *, deep: bool = True) -> list[Problem]:
     class of the manifest)."""
     root = Path(root)
     manifest = load_manifest(root, split)
-    problems: list[Problem] = []
+    problems: list[Problem] = [] if manifest["shards"] else [no_shards(split, str(root))]
     labels = label_spec(manifest)
     for shard in manifest["shards"]:
         problems += verify_shard(root, shard, deep=deep, tars=data_dir(root, manifest), labels=labels,
                                  fields=manifest["fields"])
     return problems
+
+
+def no_shards(split: str, place: str) -> Problem:
+    """A manifest that lists no shards: nothing to train or validate on, which no writer means."""
+    return Problem(manifest_path("", split).name, None, f"lists no shards (no sample to read); hint: write the split "
+                                                         f"again (hpctrain data shard SOURCE {place} --split {split})")
 
 
 def label_spec(manifest: dict[str, Any]) -> tuple[str, int] | None:
