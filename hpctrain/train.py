@@ -56,6 +56,7 @@ from hpctrain.models.registry import resolve_num_classes
 from hpctrain.optim import build_optimizer, build_scheduler, epoch_over, peak_lr
 from hpctrain.parallel import checkpoint_formats  # noqa: F401  # every format's view, for resume's format check
 from hpctrain.parallel.base import Strategy
+from hpctrain.parallel.clip import clip_grads, grad_norm, local_grad_norm
 from hpctrain.planning.auto import resolve_auto
 from hpctrain.planning.layout import RunLayout, build_strategy, make_layout
 from hpctrain.precision import LateRead, NumericsWatch, Precision, local_max_abs
@@ -167,6 +168,8 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
 
     strategy = build_strategy(layout, env, device, cfg.parallel, precision=cfg.precision,
                               compile=cfg.train.compile, seed=cfg.seed, clip_grad_norm=cfg.train.clip_grad_norm)
+    if loop_clips(strategy):
+        strategy.max_norm = None  # the loop clips (Loop.clip): the clip's norm is also the non-finite watch's
     # a stream without __len__: one epoch of train.max_steps (refused without it)
     data.train_size = bound_stream(data.train_loader, cfg.train.max_steps, cfg.train.grad_accum) or data.train_size
     steps = total_steps(cfg, len(data.train_loader))
@@ -180,6 +183,17 @@ def build_components(cfg: Config, env: cluster.ClusterEnv, device: torch.device,
                    if needs_schedule else None)
     metrics = [*task.metrics(num_classes), *user_metrics(cfg.train.metrics)]  # train.metrics: the user's, by path
     return Components(strategy, data.train_loader, data.val_loader, metrics, layout, task=task)
+
+
+def loop_clips(strategy: Strategy) -> bool:
+    """Does the loop clip for ``strategy`` (train.clip_grad_norm)? Where its step is the base one
+    (clip, step, zero, schedule), the loop computes the clip's norm itself, judges the step by it
+    (train.nonfinite) and clips with it: one pass over the gradients. Not where the strategy clips
+    its own way (pipeline stages sum their norms; DeepSpeed's engine clips), nor under fp16 (the
+    grad scaler unscales inside the step, after the judgement)."""
+    kind = type(strategy)
+    return (kind.optimizer_step is Strategy.optimizer_step and kind.clip_grad_norm is Strategy.clip_grad_norm
+            and strategy.precision_mode != "fp16")
 
 
 # ---------------------------------------------------------------- the loop
@@ -207,6 +221,10 @@ class Loop:
                               "train.nonfinite=stop")
         self.watch = NumericsWatch(train.nonfinite, train.nonfinite_patience)
         self.params = list(self.parts.model.parameters())  # listed once: the per-step gradient check
+        strategy = self.parts.strategy
+        # train.clip_grad_norm clipped here, not in the strategy's step (build_components, loop_clips)
+        self.clip = train.clip_grad_norm if strategy.max_norm is None and loop_clips(strategy) else None
+        self.sharded = strategy.holds_part  # the clip's norm over DTensor shards (hpctrain.parallel.clip)
         # skip: a skipped step restores the buffers its forward changed (BatchNorm's statistics)
         self.buffers = list(self.parts.model.buffers()) if train.nonfinite == "skip" else []
         self.kept_buffers: list[torch.Tensor] = []
@@ -277,7 +295,7 @@ def _train_epoch(loop: Loop, bar: tqdm) -> bool:
         losses.append(_micro_step(loop, batch, sync=last_micro))
         if not last_micro:
             continue
-        if _finite_step(loop, losses[-accum:]):
+        if _finite_step(loop, losses[-accum:]):  # clipped there (Loop.clip)
             loop.parts.strategy.optimizer_step()
         else:
             _skip_update(loop)
@@ -313,30 +331,51 @@ def _micro_step(loop: Loop, batch: Batch, sync: bool) -> torch.Tensor:
 
 def _finite_step(loop: Loop, window: list[torch.Tensor]) -> bool:
     """Apply this step's update? Its loss and gradients, judged by ``train.nonfinite``
-    (NonFiniteError: stop). Costs one pass reading the gradients (their largest magnitude) and,
-    with several ranks, one 8-byte all-reduce, so every rank decides alike: a loss that is nan on
-    one rank only, or a shard's inf (FSDP, tensor and pipeline parallel), reaches all. Reading the
-    two numbers makes the CPU wait for the backward (the GPU then idles while it queues the update
-    and the next forward), except for stop on a GPU: that step is judged one step late (:func:`_late_read`)."""
+    (NonFiniteError: stop); the update's gradients clipped (``Loop.clip``). The gradients are read
+    once: their L2 norm, the clip's own when the loop clips (non-finite exactly when a gradient
+    is), else one fused ``torch._foreach_norm`` pass. With several ranks one 8-byte all-reduce of
+    [loss, norm] makes every rank decide alike: a loss that is nan on one rank only, or a shard's
+    inf (FSDP, tensor and pipeline parallel), reaches all. Reading the two numbers makes the CPU
+    wait for the backward (the GPU then idles while it queues the update and the next forward),
+    except for stop on a GPU: that step is judged one step late (:func:`_late_read`)."""
     step = loop.parts.counters.step + 1
-    values = _step_values(loop, window)
+    norm = grad_norm(loop.params, sharded=loop.sharded) if loop.clip is not None else None
+    values = _step_values(loop, window, norm)
     if loop.late is not None:
         previous = loop.late.put(step, values)
         if previous is not None:
             _judge(loop, *previous, late=True)
-        return True
-    return _judge(loop, step, values.tolist())
+        apply = True
+    else:
+        apply = _judge(loop, step, _exact(loop, values.tolist()))
+    if apply and loop.clip is not None and norm is not None:
+        clip_grads(loop.params, loop.clip, norm, sharded=loop.sharded)
+    return apply
 
 
-def _step_values(loop: Loop, window: list[torch.Tensor]) -> torch.Tensor:
-    """[the step's loss summed over ranks, its largest gradient magnitude (summed over ranks)], queued on the device."""
+def _step_values(loop: Loop, window: list[torch.Tensor], norm: torch.Tensor | None = None) -> torch.Tensor:
+    """[the step's loss summed over ranks, the gradients' norm (summed over ranks)], queued on the device.
+    ``norm``: the clip's (already global); else this rank's, in one fused pass."""
     loss = window[0] if len(window) == 1 else torch.stack(window).sum()
-    grads = local_max_abs(p.grad for p in loop.params if p.grad is not None)
-    values = torch.stack([loss.detach().float(), grads.to(loss.device)])
+    grads = norm if norm is not None else local_grad_norm(loop.params)
+    values = torch.stack([loss.detach().float(), grads.float().to(loss.device)])
     if loop.env.distributed:
         values = values.to(cluster.collective_device())
         torch.distributed.all_reduce(values)  # a sum: nan or inf anywhere is nan or inf everywhere
     return values
+
+
+def _exact(loop: Loop, values: list[float]) -> list[float]:
+    """An infinite norm may be the overflow of finite gradients (beyond ~1e19): only then (every
+    rank alike: the values are reduced), a second pass reads their largest magnitude, which is
+    what the step is judged by (the watch's verdict and message as before the norm did the work)."""
+    if values[1] != math.inf:
+        return values
+    largest = local_max_abs(p.grad for p in loop.params if p.grad is not None).reshape(1)
+    if loop.env.distributed:
+        largest = largest.to(cluster.collective_device())
+        torch.distributed.all_reduce(largest)
+    return [values[0], float(largest)]
 
 
 def _judge(loop: Loop, step: int, values: list[float], late: bool = False) -> bool:

@@ -25,6 +25,7 @@ class ModelConfig:
     vocab: int | None = opt(None, "gpt, llama and a user factory's vocab_size: vocabulary size; default: the data's for causal_lm (256 for byte-level text).")
     tie_weights: bool = opt(True, "gpt, llama: share the token embedding with the output projection.")
     dropout: float = opt(0.0, "gpt: dropout after the embeddings, attention and MLP (0 = off).")
+    bias: bool = opt(True, "gpt: biases in every linear layer and layer norm (GPT-2's layout); false: none, as nanoGPT's bias=False (fewer tensors for the optimizer, a slightly faster step).")
     experts: int = opt(0, "llama: a mixture of experts: each block's SwiGLU MLP becomes this many expert MLPs behind a softmax top-k router (0 = dense MLP; >= 2); parallel.ep shards them over ranks (docs/parallel.md).")
     top_k: int = opt(2, "llama with model.experts: experts each token is routed to (1 <= top_k <= experts); with top_k > 1 the chosen experts' router weights are renormalized to sum to 1.")
     aux_loss_coef: float = opt(0.01, "llama with model.experts: weight of the load-balancing auxiliary loss (Switch Transformer's E * sum_e tokens_e * prob_e) added to the training loss (0 = off).")
@@ -46,6 +47,9 @@ class ModelConfig:
             raise ConfigError(f"model.dropout={self.dropout!r} must be in [0, 1)")
         self._check_llama_keys()
         self._check_experts()
+        if not self.bias and self.name != "gpt":  # a key another model would silently ignore is an error
+            raise ConfigError(f"model.bias=false applies to model.name=gpt only (got model.name={self.name}); "
+                              "hint: drop model.bias")
 
     def _check_llama_keys(self) -> None:
         if self.name != "llama":  # a key another model would silently ignore is an error

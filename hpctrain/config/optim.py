@@ -36,6 +36,7 @@ class OptimConfig:
     momentum: float = opt(0.9, "SGD momentum.")
     nesterov: bool = opt(False, "SGD Nesterov momentum.")
     weight_decay: float = opt(0.0, "Weight decay (decoupled for adamw).")
+    decay: Literal["all", "matrices"] = opt("all", "Which parameters optim.weight_decay applies to (sgd, adamw): all; or matrices: those of two or more dimensions only (weight matrices, embeddings), not biases nor norm weights (nanoGPT's and most LLM recipes' choice).")  # noqa: E501 - the help text is the reference
     betas: list[float] = opt([0.9, 0.999], "AdamW betas.")
     warmup_steps: int = opt(0, "Linear warmup from 0 to lr over this many optimizer steps.")
     schedule: str = opt("cosine", "LR schedule after warmup: constant, cosine or step (counted in optimizer steps), or any torch.optim.lr_scheduler class by import path (torch.optim.lr_scheduler:StepLR), built as Class(optimizer) plus optim.schedule_kwargs (or a factory of one, called so); it cannot be combined with optim.warmup_steps.")  # noqa: E501 - the help text is the reference
@@ -52,6 +53,9 @@ class OptimConfig:
         check_choice_or_path("optim.name", self.name, OPTIMIZERS, "torch.optim:Adadelta")
         check_choice_or_path("optim.schedule", self.schedule, SCHEDULES, "torch.optim.lr_scheduler:StepLR")
         self._check_user_parts()
+        if self.decay != "all" and self.name not in OPTIMIZERS:
+            raise ConfigError(f"optim.decay={self.decay} applies to the built-in optimizers ({', '.join(OPTIMIZERS)}), "
+                              f"not optim.name={self.name}; hint: drop optim.decay, or pass param groups yourself")
         at_least("optim", self, "warmup_steps", 0)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be within [0, 1]")

@@ -201,7 +201,8 @@ def blocks_pipeline_split(model: nn.Module) -> PipelineSplit | None:
 def gpt_shape(cfg: ModelConfig) -> TransformerShape:
     """GPT-2's layout (learned positions, LayerNorm, GELU MLP, biases); vocabulary model.vocab or 256 (bytes)."""
     return TransformerShape(layers=cfg.n_layers, hidden=cfg.hidden, heads=cfg.heads, seq_len=cfg.seq_len,
-                            vocab=cfg.vocab or 256, tied=cfg.tie_weights, dropout=cfg.dropout > 0)
+                            vocab=cfg.vocab or 256, tied=cfg.tie_weights, dropout=cfg.dropout > 0,
+                            bias="all" if cfg.bias else "none")
 
 
 def llama_shape(cfg: ModelConfig) -> TransformerShape:

@@ -14,7 +14,9 @@ Shaped for the sharding strategies that come after it:
 
 Parameter count with tied embeddings (the convention of :mod:`hpctrain.models.shape`):
 per block ``12 h^2 + 13 h``, plus ``(V + T) h`` embeddings and ``2 h`` for the final layer
-norm; untied weights add ``V h`` for the output projection (no bias).
+norm; untied weights add ``V h`` for the output projection (no bias). Without biases
+(``bias=False``, nanoGPT's option: no linear nor layer-norm biases) a block has ``12 h^2 + 2 h``
+and the final layer norm ``h``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class GPTShape:
     heads: int = 4
     tie_weights: bool = True
     dropout: float = 0.0
+    bias: bool = True  # biases in the linear layers and layer norms (GPT-2); False: none (nanoGPT's bias=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "seq_len", "n_layers", "hidden", "heads"):
@@ -59,15 +62,16 @@ class GPTShape:
         """The parameter count by formula (tests check the built model against it)."""
         h = self.hidden
         head = 0 if self.tie_weights else self.vocab * h
-        return self.n_layers * (12 * h * h + 13 * h) + (self.vocab + self.seq_len) * h + 2 * h + head
+        per_block, final_norm = (12 * h * h + 13 * h, 2 * h) if self.bias else (12 * h * h + 2 * h, h)
+        return self.n_layers * per_block + (self.vocab + self.seq_len) * h + final_norm + head
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
+    def __init__(self, hidden: int, heads: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
         self.head_dim, self.dropout = hidden // heads, dropout
-        self.q, self.k, self.v = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
-        self.o = nn.Linear(hidden, hidden)
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden, bias=bias) for _ in range(3))
+        self.o = nn.Linear(hidden, hidden, bias=bias)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext | None = None) -> torch.Tensor:
@@ -80,9 +84,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, dropout: float) -> None:
+    def __init__(self, hidden: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden, bias=bias), nn.Linear(4 * hidden, hidden, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,10 +96,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
 
-    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
+    def __init__(self, hidden: int, heads: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(hidden), Attention(hidden, heads, dropout)
-        self.ln2, self.mlp = nn.LayerNorm(hidden), MLP(hidden, dropout)
+        self.ln1, self.attn = nn.LayerNorm(hidden, bias=bias), Attention(hidden, heads, dropout, bias)
+        self.ln2, self.mlp = nn.LayerNorm(hidden, bias=bias), MLP(hidden, dropout, bias)
 
     def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
         # one positional input unless there is a context: tensor parallel's PrepareModuleInput
@@ -117,8 +121,8 @@ class GPT(nn.Module):
             self.tok_emb = nn.Embedding(s.vocab, s.hidden)
             self.pos_emb = nn.Embedding(s.seq_len, s.hidden)
             self.drop = nn.Dropout(s.dropout)
-            self.blocks = nn.ModuleList(Block(s.hidden, s.heads, s.dropout) for _ in range(s.n_layers))
-            self.ln_f = nn.LayerNorm(s.hidden)
+            self.blocks = nn.ModuleList(Block(s.hidden, s.heads, s.dropout, s.bias) for _ in range(s.n_layers))
+            self.ln_f = nn.LayerNorm(s.hidden, bias=s.bias)
             self.head = nn.Linear(s.hidden, s.vocab, bias=False)
         self.reset_parameters()
 
@@ -133,7 +137,8 @@ class GPT(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+                if module.bias is not None:  # bias=False: none
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, INIT_STD)
             elif isinstance(module, nn.Linear) and not (module is self.head and self.shape.tie_weights):
@@ -176,7 +181,7 @@ def build_gpt(num_classes: int = 256, *, config: ModelConfig | None = None,
     cfg = config or ModelConfig(name=name)
     vocab = token_vocab(cfg, num_classes, input_shape, input_dtype, name)
     model = GPT(GPTShape(vocab=vocab, seq_len=cfg.seq_len, n_layers=cfg.n_layers, hidden=cfg.hidden,
-                         heads=cfg.heads, tie_weights=cfg.tie_weights, dropout=cfg.dropout))
+                         heads=cfg.heads, tie_weights=cfg.tie_weights, dropout=cfg.dropout, bias=cfg.bias))
     if input_shape is not None:
         check_output(model, name, input_shape[0], vocab)
     return model

@@ -9,7 +9,7 @@ stages' squared norms are summed over the pipeline group. Every rank gets the sa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,10 +45,47 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *,
     """Scale all gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
     params = [p for p in parameters if p.grad is not None]
     norm = total_grad_norm(params, pp_group=pp_group)
+    clip_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def clip_with_norm_(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` by ``max_norm / norm`` (at most 1): the clip, given its norm."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         grad = p.grad
-        assert grad is not None
+        if grad is None:
+            continue
         # DTensor gradients multiply by a plain number: a 0-dim plain tensor would mix types.
         grad.mul_(coef.to(grad.device) if not is_dtensor(grad) else float(coef))
-    return norm
+
+
+def grad_norm(params: Sequence[torch.Tensor], *, sharded: bool) -> torch.Tensor:
+    """The global gradient norm exactly as the strategy's clip computes it (``sharded``: DTensor
+    gradients, reduced over their shards; else torch's ``get_total_norm``, fused per device)."""
+    if sharded:
+        return total_grad_norm(params)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type=2.0)
+
+
+def clip_grads(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor, *, sharded: bool) -> None:
+    """The clip's second half with the norm of :func:`grad_norm`: together bit for bit the
+    strategy's own clip (``torch.nn.utils.clip_grad_norm_``, or :func:`clip_grad_norm_` for shards)."""
+    if sharded:
+        clip_with_norm_(params, max_norm, norm)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+
+def local_grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of this rank's part of the gradients, on their device, in one fused
+    ``torch._foreach_norm`` pass (no host sync, no collective; DTensors count by their local shard):
+    non-finite when a gradient is (or when their norm overflows fp32: the caller tells the two apart).
+    Several times cheaper on a CPU than the largest magnitude (the inf-norm kernel is slow there)."""
+    local = [g.to_local() if is_dtensor(g) else g for g in (p.grad for p in params) if g is not None]
+    if not local:
+        return torch.zeros(())
+    with torch.no_grad():
+        norms = torch._foreach_norm(local, 2.0)
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n if n.device == device else n.to(device) for n in norms])).float()
