@@ -6,7 +6,8 @@ layout.py (commit protocol, manifest, retention), checksum.py (the files' checks
 state.py (what is saved), view.py (the checkpoint-view protocol: how model + optimizer
 reach the disk, one class per on-disk format, and the format registry), writer.py (how),
 policy.py (when), preempt.py (signals and outcome), remote.py (the object-storage tier,
-``checkpoint.remote``), checkpointer.py (the trainer's handle).
+``checkpoint.remote``), tier_owner.py (which run owns a remote
+prefix), checkpointer.py (the trainer's handle).
 No strategy or format is named here: the views are the parallel layer's
 (:mod:`hpctrain.parallel.checkpoint_formats`), ``hpctrain ckpt`` is :mod:`hpctrain.cli.ckpt`.
 """

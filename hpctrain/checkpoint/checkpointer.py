@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from hpctrain.checkpoint import checksum, confine, layout, remote, tensorfile
+from hpctrain.checkpoint import checksum, confine, layout, remote, tensorfile, tier_owner
 from hpctrain.checkpoint.policy import Schedule
 from hpctrain.checkpoint.preempt import EXIT_PREEMPTED, Agreement, Preempted, SignalFlag
 from hpctrain.checkpoint.remote import RemoteTier
 from hpctrain.checkpoint.state import REPLICATED, REPLICATED_TENSORS, RNG, rank_file, restore, snapshot
+from hpctrain.checkpoint.tier_owner import new_run_id
 from hpctrain.checkpoint.view import CheckpointView, manifest_format, view_class
 from hpctrain.checkpoint.writer import CheckpointWriter, default_group
 from hpctrain.core import protocol as heartbeat
@@ -95,6 +96,8 @@ class Checkpointer:
         self._best_pending: dict[str, Any] | None = None  # best.json waits for its checkpoint's commit
         self.preempted = False
         self.remote: RemoteTier | None = None  # rank 0's handle on checkpoint.remote
+        self.run_id: str | None = None  # rank 0: this run's id, in every manifest it writes (whose checkpoint it is)
+        self._claimed = False  # every rank alike: the remote tier's owner check has run
         # Nobody writes a new partial before the old ones are gone; one rank's failure fails all.
         agree("preparing the checkpoint directory", self._prepare)
         if self.remote is not None:
@@ -106,7 +109,10 @@ class Checkpointer:
         directory; the first rank of each node clears its node-local tier's leftovers."""
         if self.env.is_main:
             self._prepare_root()
+            self.run_id = layout.run_id_of(self.root)  # a run that goes on keeps its id
             self.remote = self._open_remote()
+            if self.remote is None:
+                self.run_id = self.run_id or new_run_id()
         if self.env.local_rank == 0:
             self.writer.remove_local_leftovers()
 
@@ -152,6 +158,7 @@ class Checkpointer:
         run``'s watchdog judges it (a long phase), and a preemption signal ends it at once
         (:class:`~hpctrain.checkpoint.preempt.Preempted`, exit 3: nothing new to save)."""
         resumed = False
+        self._claim(spec)
         if spec != "never":
             with heartbeat.during(heartbeat.RESUMING), \
                     self.signals.interrupting("the resume", self._preempted_in_resume):
@@ -165,40 +172,72 @@ class Checkpointer:
             self.remote.catch_up()  # what the previous job left un-uploaded goes up now
         return resumed
 
+    def _claim(self, spec: str) -> None:
+        """Every rank alike: rank 0 takes the remote tier for this run, or a prefix another run owns
+        is refused (exit 2, naming it) before anything is downloaded, uploaded or deleted there."""
+        if self._claimed or self.config.remote is None:
+            return
+        self._claimed = True
+        agree("claiming checkpoint.remote", lambda: self._claim_main(spec) if self.remote is not None else None)
+
+    def _claim_main(self, spec: str) -> None:
+        assert self.remote is not None
+        try:
+            self.run_id = self.remote.claim(spec, self.run_id)
+        except HpctrainError as err:
+            if isinstance(err, tier_owner.TierOwnedError):
+                raise
+            raise type(err)(f"checkpoint.remote: {err}") from None  # the store's own one line, named as the key's
+
     def _preempted_in_resume(self, err: Preempted) -> None:
         if self.env.is_main:
             log.warning("%s during the resume: nothing new to save, exit %d; the same command resumes again",
                         err.signal_name, EXIT_PREEMPTED)
 
     def _resume(self, spec: str) -> bool:
-        candidates = self._decided("choosing the checkpoint to resume",
-                                   lambda: [str(p) for p in self._candidates(spec)])
+        """One candidate at a time (rank 0 chooses, every rank reads it): a corrupt or crafted one
+        is skipped under resume=auto and the next one, of either tier, tried."""
+        tried: list[str] = []
         skipped: list[str] = []
-        for path in map(Path, candidates):
+        while True:
+            chosen = self._decided("choosing the checkpoint to resume", lambda: self._next_candidate(spec, tried))
+            if chosen is None:
+                break
+            path = Path(chosen)
+            tried.append(chosen)
             loaded, problems = self._read_everywhere(path)
             if not problems:
-                break
+                self._restore(path, loaded)
+                return True
             if spec != "auto":
                 raise layout.CheckpointError(f"resume={spec}: checkpoint {path} is corrupt: {'; '.join(problems)}; "
                                              f"hint: `hpctrain ckpt verify {path}`")
             if self.env.is_main:
                 log.warning("checkpoint %s is corrupt and is skipped: %s", path, "; ".join(problems))
             skipped.append(f"{path.name} ({problems[0]})")
-        else:
-            if candidates:  # the corrupt ones were read into the live model: starting fresh is no option
-                raise layout.CheckpointError(
-                    f"no intact checkpoint in {self.root}: all {len(candidates)} are corrupt: {'; '.join(skipped)}; "
-                    f"hint: `hpctrain ckpt verify {self.run_dir}`, move the corrupt ones aside, or start over with "
-                    "resume=never run.overwrite=true")
-            return False
-        self._restore(path, loaded)
-        return True
+        if tried:  # the corrupt ones were read into the live model: starting fresh is no option
+            raise layout.CheckpointError(
+                f"no intact checkpoint in {self.root}: all {len(tried)} are corrupt: {'; '.join(skipped)}; "
+                f"hint: `hpctrain ckpt verify {self.run_dir}`, move the corrupt ones aside, or start over with "
+                "resume=never run.overwrite=true")
+        return False
+
+    def _next_candidate(self, spec: str, tried: list[str]) -> str | None:
+        """Rank 0: the next checkpoint to try, newest first. resume=auto: the run directory's, and
+        with a remote tier first any newer one of this run there (downloaded into checkpoints/; one
+        that does not download intact is skipped for the next); resume=PATH or URL: the one it names."""
+        if spec != "auto":
+            return None if tried else str(self._candidates(spec)[0])
+        local = [p for p in layout.candidates("auto", self.root) if str(p) not in tried]
+        if self.remote is not None:
+            fetched = self.remote.fetch_next((layout.step_of(local[0]) or 0) if local else -1)
+            if fetched is not None:
+                return str(fetched)
+        return str(local[0]) if local else None
 
     def _candidates(self, spec: str) -> list[Path]:
-        """Rank 0: resume=auto with a remote tier first downloads the remote checkpoint that is
-        newer than the run directory's (if any); then the run directory's, newest first."""
-        if spec == "auto" and self.remote is not None:
-            self.remote.fetch_newer()
+        """Rank 0, resume=PATH or URL: the checkpoints it names, newest first (a URL's downloaded
+        into this run's checkpoints/)."""
         if remote.is_remote(spec):  # resume=s3://B/PREFIX[/step-N]: downloaded into this run's checkpoints/
             store, entries = remote.resolve_url(spec, self.config.storage_options, "resume")
             path = remote.fetch_newest(store, entries, self.root)
@@ -311,10 +350,13 @@ class Checkpointer:
                 self._settle()
             return
         self._settle()  # the save in flight commits (or raises) before the next starts; best.json follows it
+        self._claim("never")  # a loop that never called resume(): a fresh start, claimed before its first upload
         if not self._weights_finite(step):
             return  # never written, so never best, and retention keeps the last finite checkpoint
         snap = snapshot(self.state, self.env, self.cfg_dict, best)
         snap.info["finite"] = True  # checked: retention never deletes the newest checkpoint so marked
+        if self.run_id is not None:  # rank 0's: whose checkpoint it is (the remote tier's retention reads it)
+            snap.info["run_id"] = self.run_id
         if best.get("step") == step:
             snap.info["best"] = dict(best)
         if best.get("step") == step:

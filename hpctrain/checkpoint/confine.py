@@ -46,13 +46,25 @@ class MissingFileError(CheckpointError):
 _HINT = "hint: the checkpoint was not written by hpctrain (crafted or damaged): do not use it"
 
 
+# Longest part and whole name a manifest may give: what file systems hold (NAME_MAX 255 bytes), with
+# room under PATH_MAX for the run directory; hpctrain's own names are under 100 bytes.
+MAX_PART_BYTES = 255
+MAX_NAME_BYTES = 1024
+
+
 def member(root: Path, name: object) -> Path:
     """``root / name`` for a name taken from a manifest: a relative path of plain parts
-    (no ``..``, no ``.``, no empty part, not absolute), else :class:`RefusedFileError`."""
+    (no ``..``, no ``.``, no empty part, not absolute, no part a file system cannot hold),
+    else :class:`RefusedFileError`."""
     if not isinstance(name, str) or not name or "\0" in name or "\\" in name or name.startswith("/") \
             or any(part in ("", ".", "..") for part in name.split("/")):
         raise RefusedFileError(f"{Path(root) / 'manifest.json'} names {name!r}, which is not a file inside the "
                                f"checkpoint directory: refused; {_HINT}")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES \
+            or any(len(part.encode("utf-8", "surrogatepass")) > MAX_PART_BYTES for part in name.split("/")):
+        raise RefusedFileError(f"{Path(root) / 'manifest.json'} names a file {name[:40]!r}... of {len(name)} "
+                               f"characters, longer than a file system holds ({MAX_PART_BYTES} bytes a part, "
+                               f"{MAX_NAME_BYTES} in all): refused; {_HINT}")
     return Path(root) / name
 
 

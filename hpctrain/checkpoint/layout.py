@@ -267,7 +267,7 @@ class Found:
 MAX_MANIFEST = 64 << 20  # ~300 bytes an entry: far beyond the files of any real checkpoint
 # Keys a manifest may hold and the types they must have where present (readers use them as such).
 _INFO_TYPES: dict[str, type] = {"format": str, "world_size": int, "step": int, "epoch": int, "created": str,
-                                "format_version": int}
+                                "format_version": int, "run_id": str}
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -304,6 +304,7 @@ def check_manifest(data: Any, file: Path) -> None:
         raise CheckpointError(f"{file}: 'files' is a {_type(files)}, not an object of file entries; {hint}")
     for name, entry in files.items():
         confine.member(file.parent, name)
+        _not_a_folder_too(files, name, file)
         if not isinstance(entry, dict):
             raise CheckpointError(f"{file}: files[{name!r}] is a {_type(entry)} ({_short(entry)}), not an object "
                                   f"with 'size' and a checksum; {hint}")
@@ -317,6 +318,21 @@ def check_manifest(data: Any, file: Path) -> None:
     for key, kind in _INFO_TYPES.items():
         if key in data and not (_is_int(data[key]) if kind is int else isinstance(data[key], kind)):
             raise CheckpointError(f"{file}: {key!r} is {_short(data[key])}, not a {kind.__name__}; {hint}")
+    named = step_in_name(file.parent)
+    if named is not None and "step" in data and data["step"] != named:
+        # a resume would report one step and continue from another, on every requeue
+        raise CheckpointError(f"{file}: the checkpoint is named {file.parent.name} but its manifest says step "
+                              f"{data['step']} (renamed, or crafted); {hint}")
+
+
+def _not_a_folder_too(files: dict[str, Any], name: str, file: Path) -> None:
+    """``x`` and ``x/y`` in one manifest: ``x`` cannot be a file and a folder (crafted)."""
+    parts = name.split("/")
+    for n in range(1, len(parts)):
+        folder = "/".join(parts[:n])
+        if folder in files:
+            raise confine.RefusedFileError(f"{file} names both {folder!r} and {name!r}: {folder!r} cannot be a file "
+                                           f"and a folder (crafted or damaged): refused")
 
 
 def _is_int(value: Any) -> bool:
@@ -393,6 +409,19 @@ def committed(root: Path) -> list[tuple[int, Path]]:
         return sorted((s, p) for s, p in found if s is not None and (p / MANIFEST).is_file())
     except OSError as err:
         raise unreadable(Path(root), err, "listed") from None
+
+
+def run_id_of(root: Path) -> str | None:
+    """The run id the newest of ``root``'s committed checkpoints that names one carries (None: none
+    does, e.g. written before runs had ids): whose run directory this is."""
+    for _, path in reversed(committed(root)[-5:]):  # the newest few: a run's id does not change
+        try:
+            found = read_manifest(path).get("run_id")
+        except CheckpointError:
+            continue  # corrupt or crafted: says nothing about whose it is
+        if isinstance(found, str):
+            return found
+    return None
 
 
 def newest_valid(root: Path) -> Found | None:

@@ -20,10 +20,15 @@ object store holds a newer committed checkpoint than the run directory (a new al
 another cluster starts with an empty one), it is downloaded into ``RUN_DIR/checkpoints/`` as a
 ``.partial-`` directory, verified against its manifest, then renamed: from there it is one of
 the run's own checkpoints.
+
+A prefix has one owner (:mod:`hpctrain.checkpoint.tier_owner`): a second run is refused at
+resume, and retention, uploads over an existing name and resume touch only the checkpoints
+whose manifest carries the owner's ``run_id`` (or none: written before runs had ids).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
@@ -36,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.checkpoint import layout
+from hpctrain.checkpoint import confine, layout, tier_owner
+from hpctrain.checkpoint.tier_owner import Claim
 from hpctrain.core.atomic import replace_durably
 from hpctrain.core.errors import UserError
 
@@ -92,17 +98,20 @@ def resolve_url(url: str, options: Mapping[str, Any] | None = None,
     return store, entries
 
 
-def fetch_newest(store: Store, entries: list[tuple[int, str]], root: Path) -> Path | None:
-    """The newest of ``entries`` that downloads intact into ``root`` (corrupt ones are skipped,
-    said in the log); None when none does."""
+def fetch_newest(store: Store, entries: list[tuple[int, str]], root: Path, run_id: str | None = None,
+                 failed: set[str] | None = None) -> Path | None:
+    """The newest of ``entries`` that downloads intact into ``root`` (corrupt ones, and with
+    ``run_id`` another run's, are skipped, said in the log, and added to ``failed``); None when none does."""
     for _, name in reversed(entries):
         start = time.monotonic()
         try:
-            path = download(store, name, root)
+            path = download(store, name, root, run_id)
         except layout.UnreadableCheckpointError:
             raise
         except layout.CheckpointError as err:
             log.warning("checkpoint.remote: %s/%s is skipped: %s", store.url, name, _one_line(err))
+            if failed is not None:
+                failed.add(name)
             continue
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         log.info("checkpoint.remote: downloaded %s/%s into %s (%.1f MB in %.1f s, verified against its manifest)",
@@ -181,15 +190,19 @@ def delete(store: Store, name: str) -> None:
             store.delete(key)
 
 
-def download(store: Store, name: str, root: Path) -> Path:
+def download(store: Store, name: str, root: Path, run_id: str | None = None) -> Path:
     """Download remote checkpoint ``name`` into ``root`` (a checkpoints/ directory or any
     folder): files into ``.partial-NAME``, the manifest last, every file verified against it,
-    then renamed to ``root/NAME``. A corrupt or incomplete copy raises CheckpointError and leaves
-    nothing behind."""
+    then renamed to ``root/NAME``. A corrupt, crafted or incomplete copy (and with ``run_id``
+    another run's) raises CheckpointError and leaves nothing behind."""
     step = layout.step_of(Path(name))
     if step is None:
         raise layout.CheckpointError(f"{store.url}/{name} is not a checkpoint name (step-N)")
     manifest = read_manifest(store, name)
+    owner = manifest.get("run_id")
+    if run_id is not None and owner not in (None, run_id):
+        raise layout.CheckpointError(f"{store.url}/{name} is a checkpoint of run {owner}, not of this run ({run_id}) "
+                                     "that owns the prefix: never resumed nor deleted by it")
     _check_sizes(store, name, manifest["files"])
     partial = layout.partial_dir(root, step)
     shutil.rmtree(partial, ignore_errors=True)
@@ -223,27 +236,41 @@ def _check_sizes(store: Store, name: str, files: dict[str, Any]) -> None:
                                          "manifest (truncated or overwritten)")
 
 
+# What a name from the manifest can make the local write fail with (a crafted checkpoint, skipped):
+# a part too long, a file where a folder belongs or the reverse. Anything else (a full disk,
+# permissions) is this machine's, and raised.
+_NAME_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY})
+
+
 def _get(store: Store, name: str, file: str, partial: Path) -> None:
     target = partial / file  # check_manifest confined every name to the checkpoint directory
-    target.parent.mkdir(parents=True, exist_ok=True)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         store.get_file(f"{name}/{file}", target)
     except FileNotFoundError:
         raise layout.CheckpointError(f"{store.url}/{name}/{file} is missing (named by its manifest)") from None
+    except OSError as err:
+        if err.errno in _NAME_ERRNOS:
+            raise confine.RefusedFileError(f"{store.url}/{name}: its manifest names {file!r}, which cannot be written "
+                                           f"here ({err.strerror}): crafted or damaged, skipped") from None
+        raise layout.unreadable(target, err, "written") from None
 
 
-def retain(store: Store, keep_last: int, keep_every: int | None, protect: set[int]) -> list[str]:
+def retain(store: Store, keep_last: int, keep_every: int | None, protect: set[int],
+           mine: Callable[[str], bool] | None = None) -> list[str]:
     """Retention on the remote tier, on its own: the rules of the local tier over the remote's
-    committed checkpoints. Uploads cut short (files without a marker) older than the newest
-    committed one go too. Returns the names removed."""
+    committed checkpoints that are ``mine`` (default: all), others never counted nor touched.
+    Uploads cut short (files without a marker) older than the newest committed one of ours go
+    too (only the owner uploads there). Returns the names removed."""
     entries = _checkpoints(store)
-    steps = sorted(step for _, step, files in entries if layout.MANIFEST in files)
+    own = {name for name, _, files in entries if layout.MANIFEST in files and (mine is None or mine(name))}
+    steps = sorted(step for name, step, _ in entries if name in own)
     doomed = set(layout.to_delete(steps, keep_last, keep_every, protect))
     newest = steps[-1] if steps else -1
     removed = []
     for name, step, files in entries:
         cut_short = layout.MANIFEST not in files and SUPERSEDED not in files and step < newest
-        if step in doomed or cut_short:
+        if (step in doomed and name in own) or cut_short:
             delete(store, name)
             removed.append(name)
     return removed
@@ -273,12 +300,16 @@ class Uploader:
     """Uploads committed checkpoints in a daemon thread (rank 0). ``submit`` never blocks."""
 
     def __init__(self, store: Store, *, keep_last: int, keep_every: int | None, queue: int = 2,
-                 protect: Callable[[], set[int]] = set, after: Callable[[], None] | None = None) -> None:
+                 protect: Callable[[], set[int]] = set, after: Callable[[], None] | None = None,
+                 guard: Callable[[str], str | None] | None = None, mine: Callable[[str], bool] | None = None,
+                 uploaded: Callable[[str], None] | None = None) -> None:
         """``queue``: checkpoints that may wait while one uploads; ``protect``: steps the remote
         retention keeps whatever their age (the best one); ``after``: called after each upload
-        (the local retention, which kept the checkpoint while it waited)."""
+        (the local retention, which kept the checkpoint while it waited); ``guard``: why
+        checkpoint NAME may not go up now (None: it may); ``mine``: is remote checkpoint NAME
+        this run's (retention's choice); ``uploaded``: told each NAME that went up."""
         self.store, self.keep_last, self.keep_every, self.bound = store, keep_last, keep_every, queue
-        self.protect, self.after = protect, after
+        self.protect, self.after, self.guard, self.mine, self.uploaded = protect, after, guard, mine, uploaded
         self.stats = UploadStats()
         self._waiting: deque[_Job] = deque()
         self._current: _Job | None = None
@@ -341,8 +372,16 @@ class Uploader:
         where = f"{self.store.url}/{job.path.name}"
         start = time.monotonic()
         try:
+            refused = self.guard(job.path.name) if self.guard is not None else None
+            if refused:
+                self.stats.failed.append(job.step)
+                log.warning("checkpoint.remote: %s is not uploaded to %s: %s; the local checkpoint %s is intact",
+                            job.path.name, where, refused, job.path)
+                return
             nbytes = upload(self.store, job.path, self._progress(job, start))
-            removed = retain(self.store, self.keep_last, self.keep_every, self.protect())
+            if self.uploaded is not None:
+                self.uploaded(job.path.name)
+            removed = retain(self.store, self.keep_last, self.keep_every, self.protect(), self.mine)
         except Exception as err:  # noqa: BLE001 - the tier never ends training: the local checkpoint is intact
             self.stats.failed.append(job.step)
             log.warning("checkpoint.remote: upload of %s to %s failed, not committed there (its manifest was not "
@@ -391,38 +430,104 @@ class Uploader:
 
 
 class RemoteTier:
-    """The checkpointer's handle on ``checkpoint.remote`` (rank 0 only): the resume's choice and
-    the background uploads. Opening it lists the prefix, so wrong credentials, a missing bucket
-    or an endpoint that does not answer fail the run at start (exit 2 / 1, one line)."""
+    """The checkpointer's handle on ``checkpoint.remote`` (rank 0 only): the claim on the prefix,
+    the resume's choice and the background uploads. Opening it lists the prefix, so wrong
+    credentials, a missing bucket or an endpoint that does not answer fail the run at start
+    (exit 2 / 1, one line); :meth:`claim` (at resume) refuses a prefix another run owns."""
 
     def __init__(self, url: str, options: Mapping[str, Any], root: Path, *, keep_last: int,
                  keep_every: int | None, queue: int, protect: Callable[[], set[int]] = set,
                  local_retention: Callable[[], None] | None = None) -> None:
         self.root = root
+        self.run_dir = str(Path(root).resolve().parent)  # recorded by the claim: a restart of this run dir is this run
         self.store = open_store(url, options)
         self.remote = committed(self.store)  # the probe: credentials and bucket are checked here
+        self.claimed: Claim | None = None
+        self.failed: set[str] = set()  # remote checkpoints that did not download intact in this resume
+        self._run_of: dict[str, str | None] = {}  # remote checkpoint -> the run id its manifest names (read once)
         self.uploader = Uploader(self.store, keep_last=keep_last, keep_every=keep_every, queue=queue,
-                                 protect=protect, after=local_retention)
+                                 protect=protect, after=local_retention, guard=self._guard, mine=self.mine,
+                                 uploaded=self._uploaded)
 
-    def fetch_newer(self) -> Path | None:
-        """Resume=auto: the newest remote checkpoint newer than every local one, downloaded and
-        verified into the run's checkpoints/ (a corrupt one is skipped, said in the log). None:
-        the run directory's own are as new."""
-        local = layout.committed(self.root)
-        newest_local = local[-1][0] if local else -1
-        newer = [(step, name) for step, name in self.remote if step > newest_local]
-        if newer:
-            log.info("checkpoint.remote: %s holds step %d, the run directory %s", self.store.url, newer[-1][0],
-                     f"step {newest_local} at most" if local else "no checkpoint")
-        return fetch_newest(self.store, newer, self.root)
+    @property
+    def run_id(self) -> str | None:
+        return self.claimed.run_id if self.claimed is not None else None
+
+    # ---------------------------------------------------------------- one owner
+
+    def claim(self, spec: str, local_id: str | None) -> str:
+        """Take the prefix for this run (``local_id``: the run id of the run directory's
+        checkpoints) or refuse it (exit 2, naming the owner); returns the run id this run's
+        checkpoints carry from now on (the owner's, where this run continues it)."""
+        if self.claimed is not None:
+            return self.claimed.run_id
+        owner = tier_owner.read_owner(self.store)
+        resuming = bool(self.remote) and (spec == "auto" or spec == self.store.url
+                                          or spec.startswith(f"{self.store.url}/"))
+        if owner is None and local_id is None and resuming:
+            local_id = self._run_of_newest()  # a record deleted by hand: continue the run the tier holds
+        run_id = tier_owner.choose_run(owner, local_id=local_id, run_dir=self.run_dir, resuming=resuming,
+                                       url=self.store.url, now=time.time())
+        claim = Claim(self.store, run_id, self.run_dir)
+        claim.take(owner)
+        self.claimed = claim
+        return run_id
+
+    def _run_of_newest(self) -> str | None:
+        for _, name in self.remote[::-1][:3]:  # the newest few: older ones were written by the same run
+            self.mine(name)  # reads (and caches) its manifest's run id
+            if self._run_of.get(name) is not None:
+                return self._run_of[name]
+        return None
+
+    def mine(self, name: str) -> bool:
+        """Is remote checkpoint ``name`` this run's? Its manifest names this run's id, or none (written
+        before runs had ids: the owner's). One whose manifest cannot be read is nobody's: kept."""
+        if name not in self._run_of:
+            try:
+                found = read_manifest(self.store, name).get("run_id")
+            except (layout.CheckpointError, FileNotFoundError):
+                return False
+            self._run_of[name] = found if isinstance(found, str) else None
+        return self._run_of[name] in (None, self.run_id)
+
+    def _guard(self, name: str) -> str | None:
+        """Why checkpoint ``name`` may not go up now: the prefix is not (or no longer) this
+        instance's, or a committed checkpoint of that name is another run's."""
+        if self.claimed is None:
+            return "the prefix was not claimed (Checkpointer.resume was not called)"
+        if not self.claimed.holds():
+            return "another run or instance holds the prefix now"
+        if self.store.exists(f"{name}/{layout.MANIFEST}") and not self.mine(name):
+            return f"{self.store.url}/{name} is another run's checkpoint (or its manifest is unreadable): kept"
+        return None
+
+    def _uploaded(self, name: str) -> None:
+        self._run_of[name] = self.run_id
+
+    # ---------------------------------------------------------------- resume
+
+    def fetch_next(self, above: int) -> Path | None:
+        """Resume=auto: the newest remote checkpoint of this run past step ``above`` that the run
+        directory lacks and that did not fail already, downloaded and verified into the run's
+        checkpoints/ (a corrupt, crafted or another run's one is skipped, said in the log, and the
+        next tried). None: the run directory's own checkpoint at ``above`` comes next."""
+        local = {path.name for _, path in layout.committed(self.root)}
+        newer = [(step, name) for step, name in self.remote
+                 if step > above and name not in local and name not in self.failed]
+        if not newer:
+            return None
+        log.info("checkpoint.remote: %s holds step %d, the run directory %s", self.store.url, newer[-1][0],
+                 f"step {above} at most (of those not tried)" if above >= 0 else "no checkpoint to try")
+        return fetch_newest(self.store, newer, self.root, self.run_id, self.failed)
 
     def check_past(self, step: int, spec: str) -> None:
-        """After the resume (at ``step``), committed remote checkpoints past it are: under
-        resume=auto, corrupt ones it skipped (said; this run's saves of those steps replace them);
-        under resume=PATH (a deliberate step back), an abandoned future: their markers are set
-        aside (``superseded-manifest.json``, files kept) so no resume takes them; under
+        """After the resume (at ``step``), this run's committed remote checkpoints past it are:
+        under resume=auto, corrupt ones it skipped (said; this run's saves of those steps replace
+        them); under resume=PATH (a deliberate step back), an abandoned future: their markers are
+        set aside (``superseded-manifest.json``, files kept) so no resume takes them; under
         resume=never, another run's: a later resume=auto would take them, so the run is refused."""
-        past = [name for s, name in self.remote if s > step]
+        past = [name for s, name in self.remote if s > step and (spec == "never" or self.mine(name))]
         if not past:
             return
         if spec == "auto":
@@ -451,7 +556,11 @@ class RemoteTier:
             self.uploader.submit(local[-1][1])
 
     def close(self, timeout_s: float) -> list[int]:
-        return self.uploader.close(timeout_s)
+        try:
+            return self.uploader.close(timeout_s)
+        finally:
+            if self.claimed is not None:
+                self.claimed.release()
 
 
 def _one_line(err: BaseException) -> str:

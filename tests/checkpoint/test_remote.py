@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.checkpoint import layout, remote
+from hpctrain.checkpoint import layout, remote, tier_owner
 from hpctrain.checkpoint.checkpointer import Checkpointer
 from hpctrain.checkpoint.state import rank_file
 from hpctrain.cli import main as cli_main
@@ -44,6 +44,8 @@ def _remote_steps(server: S3Server, bucket: str, prefix: str) -> dict[int, set[s
     """step -> the files uploaded under PREFIX/step-N/ (committed or not)."""
     found: dict[int, set[str]] = {}
     for key in server.keys(bucket, f"{prefix}/"):
+        if key == f"{prefix}/{tier_owner.OWNER_KEY}":
+            continue  # the prefix's owner record, beside the checkpoints
         name, file = key[len(prefix) + 1:].split("/", 1)
         found.setdefault(layout.step_of(Path(name)) or -1, set()).add(file)
     return found
@@ -126,7 +128,8 @@ def test_an_upload_without_its_manifest_is_never_listed_or_loaded(tmp_path: Path
     assert ckpt.resumed_from == tmp_path / "d" / "checkpoints" / "step-000000004"
     assert not (tmp_path / "d" / "checkpoints" / ".partial-step-000000008").exists()
     # a fresh start (resume=never) onto a tier that holds another run's checkpoints is refused: exit 2
-    with pytest.raises(UserError, match=r"holds checkpoints past step 1 \(step-000000002, step-000000004, step-0"):
+    with pytest.raises(UserError, match=r"belongs to run [0-9a-f]{32} \(run.dir .*/d on host .*whose checkpoints "
+                                        r"this run did not resume from"):
         _hand_loop(tmp_path / "e", url, [], resume="never")
     # resume=URL of one checkpoint (a step back): downloaded into the run's checkpoints/; the newer ones of the
     # tier are set aside (no longer committed, files kept), so a later resume=auto never takes them
