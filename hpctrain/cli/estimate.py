@@ -7,10 +7,10 @@ import dataclasses
 import json
 import re
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from hpctrain.core.errors import UserError
-from hpctrain.estimate import gpu_memory, hfconfig, model, reliability, strategy_memory
+from hpctrain.estimate import bounds, gpu_memory, hfconfig, model, reliability, strategy_memory
 from hpctrain.estimate.render import render
 from hpctrain.estimate.sizing import Inputs, estimate
 from hpctrain.telemetry.accelerators import ACCELERATORS, PRECISIONS, Accelerator, lookup
@@ -20,12 +20,19 @@ _SHAPE_FLAGS = (("layers", "--layers"), ("hidden", "--hidden"), ("heads", "--hea
                 ("vocab", "--vocab"))
 
 
-def parse_count(text: str, flag: str) -> float:
-    """'175B', '7.5e9', '300b', '1.4T', '125M' -> a number; UserError naming ``flag`` otherwise."""
-    match = re.fullmatch(r"\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*", text, re.IGNORECASE)
+def parse_count(text: str, flag: str, maximum: float = bounds.MAX_PARAMS) -> float:
+    """'175B', '7.5e9', '300b', '1.4T', '125M' -> a number of at least 1 and at most ``maximum``;
+    UserError naming ``flag`` otherwise (float('1e400') is inf: refused, never reported as 'infT')."""
+    match = re.fullmatch(r"\s*([+-]?)([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([KMBGT]?)\s*", text,
+                         re.IGNORECASE)
     if not match:
-        raise UserError(f"{flag} {text!r} is not a count; examples: 7.5e9, 7.5B, 300B, 1.4T, 125M")
-    return float(match.group(1).replace(",", "").replace("_", "")) * _SUFFIX[match.group(2).upper()]
+        raise UserError(f"{flag} {text[:40]!r} is not a count; examples: 7.5e9, 7.5B, 300B, 1.4T, 125M")
+    value = float(match.group(2).replace(",", "").replace("_", "")) * _SUFFIX[match.group(3).upper()]
+    if match.group(1) == "-" or value < 1:
+        raise UserError(f"{flag} {text.strip()[:40]} must be a count of at least 1; examples: 7.5B, 300B, 125M")
+    if value > maximum:  # an overflow to inf too: named as written, not as 'inf'
+        raise UserError(f"{flag} {text.strip()[:40]} is beyond any real job (at most {maximum:,.4g})")
+    return value
 
 
 # what today's models change; None when not given, so a --hf-config value stands
@@ -36,8 +43,15 @@ _DESCRIBED = "--gpu-memory-gb and --peak-tflops"  # the source of a part the tab
 SEQ_STAND_IN = 1  # a shape without --seq-len: its seq_len, read by nothing the report shows (Inputs.seq_len_known)
 
 
+_INT_FLAGS = {**dict(_SHAPE_FLAGS), "kv_heads": "--kv-heads", "ffn_hidden": "--ffn-hidden", "experts": "--experts",
+              "top_k": "--top-k", "head_dim": "--head-dim"}
+
+
 def _given(args: argparse.Namespace, fields: tuple[str, ...]) -> dict[str, object]:
-    return {attr: getattr(args, attr) for attr in fields if getattr(args, attr) is not None}
+    given = {attr: getattr(args, attr) for attr in fields if getattr(args, attr) is not None}
+    # before a shape is built of them: its own checks divide by --heads
+    bounds.check_dims({_INT_FLAGS[attr]: value for attr, value in given.items() if attr in _INT_FLAGS})
+    return given
 
 
 class _Shape(NamedTuple):
@@ -62,11 +76,13 @@ def _shape(args: argparse.Namespace) -> _Shape:
                         f"FLOPs, time and activations (or --hf-config); missing: {' '.join(missing)}")
     if "seq_len" in base:
         shape = model.TransformerShape(**base, **arch)  # type: ignore[arg-type]
+        bounds.check_shape(shape)
         return _Shape(shape, "transformer shape", "--seq-len")
     if arch.get("positions", "learned") == "learned":
         raise UserError("--seq-len missing: learned positions (the default) are a table of --seq-len x --hidden "
                         "parameters; give --seq-len, or --positions rotary|alibi to count parameters without it")
     shape = model.TransformerShape(**base, seq_len=SEQ_STAND_IN, **arch)  # type: ignore[arg-type]
+    bounds.check_shape(shape)
     return _Shape(shape, "transformer shape", "", seq_len_known=False)
 
 
@@ -76,6 +92,7 @@ def _hf_shape(path: str, base: dict[str, object], arch: dict[str, object]) -> _S
     config = hfconfig.load(path)
     try:
         shape = model.TransformerShape(**{**config.fields, **base, **arch})
+        bounds.check_shape(shape)
     except UserError as err:  # name the file whose values (or the flags over them) do not fit together
         raise UserError(f"{config.source}: {err}") from None
     if "seq_len" in base:
@@ -104,6 +121,7 @@ def _size(args: argparse.Namespace, shape: model.TransformerShape | None, shape_
     if shape is not None:
         return _Size(float(shape.params), shape_source)
     if args.model:
+        bounds.check_number("--micro-batch", args.micro_batch, bounds.MAX_ELEMENTS)  # before a meta batch of it
         return _measure(args.model, args.micro_batch, gpu_memory.compute_bytes(args.precision))
     raise UserError("no model size given: pass --params (e.g. 7.5B), --model NAME (see `hpctrain models`), "
                     "--hf-config config.json, or a transformer shape --layers --hidden --heads --seq-len --vocab")
@@ -143,7 +161,12 @@ def _hfu(args: argparse.Namespace, peak_flops: float) -> float | None:
                                       ("--achieved-tflops", args.achieved_tflops)) if value is not None]
     if len(given) > 1:
         raise UserError(f"give one of --mfu, --hfu, --achieved-tflops; got {' and '.join(given)}")
-    if args.achieved_tflops is not None:
+    if args.achieved_tflops is not None:  # named as given, not as the fraction it becomes
+        bounds.check_number("--achieved-tflops", args.achieved_tflops, bounds.MAX_TFLOPS)
+        if args.achieved_tflops * 1e12 > peak_flops:
+            raise UserError(f"--achieved-tflops {args.achieved_tflops:g} exceeds the dense peak of {args.gpu} at "
+                            f"{args.precision}, {peak_flops / 1e12:g} TFLOP/s; hint: a figure of at most that (or "
+                            "the part's own peak with --peak-tflops)")
         return args.achieved_tflops * 1e12 / peak_flops
     return args.hfu
 
@@ -151,9 +174,10 @@ def _hfu(args: argparse.Namespace, peak_flops: float) -> float | None:
 def _gpu(args: argparse.Namespace) -> Accelerator:
     """--gpu from the table, with --gpu-memory-gb and --peak-tflops (at --precision) over its row; a part
     the table lacks needs both."""
-    for flag, value in (("--gpu-memory-gb", args.gpu_memory_gb), ("--peak-tflops", args.peak_tflops)):
-        if value is not None and not value > 0:
-            raise UserError(f"{flag} must be positive, got {value}")
+    for flag, value, most in (("--gpu-memory-gb", args.gpu_memory_gb, bounds.MAX_MEMORY_GB),
+                              ("--peak-tflops", args.peak_tflops, bounds.MAX_TFLOPS)):
+        if value is not None:  # NaN and inf too: a budget that is no number plans nothing
+            bounds.check_number(flag, value, most)
     try:
         gpu = lookup(args.gpu)
     except UserError as err:
@@ -184,7 +208,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     gpu = _gpu(args)
     mtbf_hours, mtbf_source = _mtbf(args)
     return Inputs(params=size.params, source=size.source, gpu=gpu,
-                  tokens=None if args.tokens is None else parse_count(args.tokens, "--tokens"),
+                  tokens=None if args.tokens is None else parse_count(args.tokens, "--tokens", bounds.MAX_TOKENS),
                   gpus=args.gpus, strategy=args.strategy, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
                   precision=args.precision, amp_layout=args.amp_layout,
                   mfu=0.4 if args.mfu is None else args.mfu, hfu=_hfu(args, gpu.peak_flops(args.precision)),
@@ -207,9 +231,23 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def one_line_errors(parser: argparse.ArgumentParser, command: str) -> None:
+    """argparse's errors as the project's: one line and exit 2, not the usage block (28 lines for
+    ``--params -7B``, which argparse reads as an unknown flag: the hint says how to pass it)."""
+
+    def error(message: str) -> NoReturn:
+        hint = "see hpctrain " + command + " --help"
+        if "expected one argument" in message:
+            hint = f"a value that starts with '-' reads as a flag: write it as FLAG=VALUE (e.g. --params=-7B); {hint}"
+        parser.exit(2, f"hpctrain {command}: error: {message}; hint: {hint}\n")
+
+    parser.error = error  # type: ignore[method-assign]
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="size a training run: FLOPs and time, memory per GPU by strategy, "
                                         "checkpoint cost, Young-Daly interval")
+    one_line_errors(p, "estimate")
     size = p.add_argument_group("model size (one of)")
     size.add_argument("--params", help="parameter count: 7.5e9, 7.5B, 125M")
     size.add_argument("--model", help="a registered model name (or package.module:factory), built on the meta device")

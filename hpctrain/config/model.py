@@ -61,7 +61,7 @@ class ModelConfig:
         if self.kv_heads is not None and self.heads % self.kv_heads:
             raise ConfigError(f"model.kv_heads ({self.kv_heads}) must divide model.heads ({self.heads}): each "
                               "key/value head serves a whole group of query heads; hint: model.kv_heads="
-                              f"{max(d for d in range(1, self.kv_heads + 1) if self.heads % d == 0)}")
+                              f"{max(d for d in range(1, min(self.kv_heads, self.heads) + 1) if self.heads % d == 0)}")
         if (self.hidden // self.heads) % 2:
             raise ConfigError(f"model.name=llama: the head width model.hidden / model.heads = {self.hidden // self.heads} "
                               "must be even (rotary embeddings turn pairs of features); hint: "

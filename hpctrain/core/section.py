@@ -49,8 +49,9 @@ def positive(section_name: str, obj: Any, *names: str) -> None:
     """Each named field is None or > 0; the message names ``section.key`` and the value."""
     for name in names:
         value = getattr(obj, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{section_name}.{name}={value!r} must be > 0")
+        # "not > 0" refuses nan too (nan <= 0 is false), and inf is no size or budget
+        if value is not None and (not value > 0 or value == float("inf")):
+            raise ConfigError(f"{section_name}.{name}={value!r} must be > 0" + ("" if value <= 0 else " and finite"))
 
 
 def at_least(section_name: str, obj: Any, name: str, low: float) -> None:

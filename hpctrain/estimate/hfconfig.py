@@ -10,10 +10,14 @@ parallel residual) is read by nobody.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, NamedTuple
 
+from hpctrain.core import safe_open
 from hpctrain.core.errors import UserError
+from hpctrain.estimate.bounds import check_dims
+
+# a config.json is a few kB (with a label map, some hundred); more is another file named by mistake
+CONFIG_LIMIT = safe_open.Limit("a transformers config.json", "HPCTRAIN_MAX_HF_CONFIG_BYTES", 4 << 20)
 
 # model_type -> how its architecture differs from GPT-2 (keys the estimator's shape takes)
 _LLAMA = {"mlp": "swiglu", "positions": "rotary", "norm": "rmsnorm", "bias": "none"}
@@ -46,8 +50,8 @@ def load(path: str) -> HFConfig:
     family = config.get("model_type")
     if family is None:
         raise UserError(f"--hf-config {path}: key 'model_type' missing; a transformers config.json names its family")
-    if family not in _FAMILIES:
-        raise UserError(f"--hf-config {path}: model_type {family!r} is not supported; "
+    if not isinstance(family, str) or family not in _FAMILIES:
+        raise UserError(f"--hf-config {path}: model_type {_short(family)} is not supported; "
                         f"supported: {', '.join(_FAMILIES)}")
     fields = {**_FAMILIES[family], **(_gpt2(path, config) if family == "gpt2" else _llama_like(path, config, family))}
     return HFConfig(fields, f"--hf-config {path} ({family})",
@@ -55,12 +59,23 @@ def load(path: str) -> HFConfig:
 
 
 def _load(path: str) -> dict[str, Any]:
+    """The file's JSON object, read through the bounded regular-file open: a FIFO, a device or a
+    symlink to one is refused before it is opened (never waited on, never read without end)."""
     try:
-        config = json.loads(Path(path).read_text())
+        data = safe_open.read_regular(path, limit=CONFIG_LIMIT.bytes())
     except FileNotFoundError:
         raise UserError(f"--hf-config {path}: no such file (give the config.json of a downloaded model)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"--hf-config {path}: not a readable JSON file ({err})") from None
+    except safe_open.NotRegularError as err:
+        raise UserError(f"--hf-config {path}: a {err.kind}, not a regular file (give the config.json of a "
+                        "downloaded model)") from None
+    except safe_open.TooLargeError as err:
+        raise UserError(f"--hf-config {CONFIG_LIMIT.refusal(path, err.size)}") from None
+    except OSError as err:
+        raise UserError(f"--hf-config {path}: cannot be read ({err.strerror or err})") from None
+    try:
+        config = json.loads(data)
+    except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, a 5,000-digit number, deep nesting
+        raise UserError(f"--hf-config {path}: not a readable JSON file ({str(err)[:200]})") from None
     if not isinstance(config, dict):
         raise UserError(f"--hf-config {path}: expected a JSON object, got {type(config).__name__}")
     return config
@@ -73,14 +88,39 @@ def _need(path: str, config: dict[str, Any], key: str) -> Any:
 
 
 def _int(path: str, config: dict[str, Any], key: str) -> int:
+    """A positive integer within :mod:`hpctrain.estimate.bounds`' limits (a key naming layers or
+    experts has their limit, any other width 2^40)."""
     value = _need(path, config, key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"--hf-config {path}: key {key!r} is {value!r}, expected a positive integer")
+        raise UserError(f"--hf-config {path}: key {key!r} is {_short(value)}, expected a positive integer")
+    check_dims({f"key {key!r}": value}, f"--hf-config {path}")
     return value
 
 
-def _dropout(config: dict[str, Any], *keys: str) -> bool:
-    return any(float(config.get(key) or 0) > 0 for key in keys)
+def _short(value: Any) -> str:
+    """A value as the message shows it: a config's list or huge number cut short."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else f"an integer of " \
+        f"{value.bit_length():,} bits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _bool(path: str, config: dict[str, Any], key: str, default: bool) -> bool:
+    """A JSON true/false: the string "false" is not false (``bool("false")`` is True)."""
+    value = config.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise UserError(f"--hf-config {path}: key {key!r} is {_short(value)}, expected true or false")
+    return value
+
+
+def _dropout(path: str, config: dict[str, Any], *keys: str) -> bool:
+    """Any dropout probability above 0 (each a number in [0, 1], or absent)."""
+    for key in keys:
+        value = config.get(key) or 0
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise UserError(f"--hf-config {path}: key {key!r} is {_short(value)}, expected a probability in [0, 1]")
+    return any(config.get(key) or 0 for key in keys)
 
 
 def _llama_like(path: str, config: dict[str, Any], family: str) -> dict[str, Any]:
@@ -91,9 +131,10 @@ def _llama_like(path: str, config: dict[str, Any], family: str) -> dict[str, Any
         "layers": _int(path, config, "num_hidden_layers"), "hidden": _int(path, config, "hidden_size"),
         "heads": heads, "seq_len": _int(path, config, "max_position_embeddings"),
         "vocab": _int(path, config, "vocab_size"), "ffn_hidden": _int(path, config, "intermediate_size"),
-        "kv_heads": _int(path, config, "num_key_value_heads") if config.get("num_key_value_heads") else heads,
-        "tied": bool(config.get("tie_word_embeddings", False)),  # transformers' default for these families
-        "dropout": _dropout(config, "attention_dropout", "hidden_dropout"),
+        # absent or null: multi-head attention (transformers' default); 0 is no config's value, so refused
+        "kv_heads": heads if config.get("num_key_value_heads") is None else _int(path, config, "num_key_value_heads"),
+        "tied": _bool(path, config, "tie_word_embeddings", False),  # transformers' default for these families
+        "dropout": _dropout(path, config, "attention_dropout", "hidden_dropout"),
     }
     if config.get("head_dim") is not None:  # narrower heads than hidden / heads (Mistral NeMo: 32 x 128 < 5120)
         fields["head_dim"] = _int(path, config, "head_dim")
@@ -108,6 +149,7 @@ def _gpt2(path: str, config: dict[str, Any]) -> dict[str, Any]:
     positions = _int(path, config, "n_positions")
     return {"layers": _int(path, config, "n_layer"), "hidden": hidden, "heads": _int(path, config, "n_head"),
             "seq_len": positions, "max_positions": positions, "vocab": _int(path, config, "vocab_size"),
-            "ffn_hidden": config.get("n_inner") or 4 * hidden,  # null in GPT-2's configs: 4h
-            "tied": bool(config.get("tie_word_embeddings", True)),
-            "dropout": _dropout(config, "resid_pdrop", "attn_pdrop", "embd_pdrop")}
+            # null in GPT-2's configs: 4h
+            "ffn_hidden": 4 * hidden if config.get("n_inner") is None else _int(path, config, "n_inner"),
+            "tied": _bool(path, config, "tie_word_embeddings", True),
+            "dropout": _dropout(path, config, "resid_pdrop", "attn_pdrop", "embd_pdrop")}

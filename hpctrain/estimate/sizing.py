@@ -7,7 +7,7 @@ from typing import Any
 
 from hpctrain.core.errors import UserError
 from hpctrain.core.topology import Topology
-from hpctrain.estimate import activations, flops, gpu_memory, reliability, strategy_memory
+from hpctrain.estimate import activations, bounds, flops, gpu_memory, reliability, strategy_memory
 from hpctrain.estimate.model import TransformerShape, stage_layers, stage_params
 from hpctrain.telemetry.accelerators import PRECISIONS, Accelerator
 
@@ -59,11 +59,13 @@ class Inputs:
     reduce_every_microstep: bool = True
 
     def __post_init__(self) -> None:
-        _positive(("--params", self.params), ("--gpus", self.gpus), ("--tp", self.tp), ("--pp", self.pp),
-                  ("--micro-batch", self.micro_batch), ("--mtbf-hours", self.gpu_mtbf_hours),
-                  ("--ckpt-bandwidth", self.ckpt_gbps), ("--ep", self.ep), ("--cp", self.cp))
+        g = bounds.MAX_GPUS
+        _positive(("--params", self.params, bounds.MAX_PARAMS), ("--gpus", self.gpus, g), ("--tp", self.tp, g),
+                  ("--pp", self.pp, g), ("--micro-batch", self.micro_batch, bounds.MAX_ELEMENTS),
+                  ("--mtbf-hours", self.gpu_mtbf_hours, bounds.MAX_HOURS),
+                  ("--ckpt-bandwidth", self.ckpt_gbps, bounds.MAX_GBPS), ("--ep", self.ep, g), ("--cp", self.cp, g))
         if self.tokens is not None:
-            _positive(("--tokens", self.tokens))
+            _positive(("--tokens", self.tokens, bounds.MAX_TOKENS))
         if not 0 < self.mfu <= 1:
             raise UserError(f"--mfu {self.mfu} must be a fraction in (0, 1], e.g. 0.4 for 40%")
         if self.hfu is not None and not 0 < self.hfu <= 1:
@@ -74,13 +76,23 @@ class Inputs:
         self.gpu.peak_flops(self.precision)  # fails on a precision the chip cannot run (fp8 on A100)
         if self.strategy is not None and self.strategy not in DECLARED_ONLY:
             gpu_memory.check_strategy(self.strategy)
-        _positive(("--grad-accum", self.grad_accum), ("--dp-replicate", self.dp_replicate))
+        _positive(("--grad-accum", self.grad_accum, bounds.MAX_ELEMENTS), ("--dp-replicate", self.dp_replicate, g))
         if self.microbatches is not None:
-            _positive(("--microbatches", self.microbatches))
+            _positive(("--microbatches", self.microbatches, bounds.MAX_ELEMENTS))
         if self.gpus % (self.tp * self.pp * self.cp):
             raise UserError(f"--tp {self.tp} x --pp {self.pp} x --cp {self.cp} = {self.tp * self.pp * self.cp} does "
                             f"not divide --gpus {self.gpus}; data parallelism needs gpus = dp x tp x pp x cp")
         self._check_shape()
+        self._check_batch()
+
+    def _check_batch(self) -> None:
+        """The job's global batch (micro-batch x pipeline micro-batches x accumulation x dp) within 2^40
+        tokens (samples without a shape): what the activations and FLOPs are multiplied by."""
+        pipeline = (self.microbatches or self.pp) if self.pp > 1 else 1
+        samples = self.micro_batch * pipeline * self.grad_accum * self.dp
+        tokens = self.shape.seq_len if self.shape is not None and self.seq_len_known else 1
+        bounds.check_batch(samples, tokens, "--micro-batch x --grad-accum x the data-parallel degree"
+                           + (" x --microbatches" if self.pp > 1 else ""))
 
     def _check_shape(self) -> None:
         if self.ep > 1 and (self.shape is None or self.shape.experts == 1):
@@ -90,6 +102,7 @@ class Inputs:
                             "(expert parallelism takes its ranks from data parallelism)")
         if self.shape is None:
             return
+        bounds.check_shape(self.shape)  # the CLI checked it; a caller of the library may not have
         if self.shape.heads % self.tp:
             raise UserError(f"--tp {self.tp} must divide --heads {self.shape.heads} (heads are split across TP ranks)")
         if self.shape.experts % self.ep:
@@ -127,10 +140,10 @@ def _legacy(recompute: str) -> str:
     return "selective" if recompute == "selective_op" else recompute
 
 
-def _positive(*pairs: tuple[str, float]) -> None:
-    for flag, value in pairs:
-        if not value > 0:
-            raise UserError(f"{flag} must be positive, got {value}")
+def _positive(*checks: tuple[str, float, float]) -> None:
+    """Each (flag, value, most): positive, finite and at most ``most`` (:mod:`hpctrain.estimate.bounds`)."""
+    for flag, value, most in checks:
+        bounds.check_number(flag, value, most)
 
 
 def estimate(inp: Inputs) -> dict[str, Any]:

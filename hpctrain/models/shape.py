@@ -58,7 +58,9 @@ class TransformerShape:
     head_dim: int | None = None  # None: hidden / heads; set when the heads are narrower (Mistral NeMo: 128, not 160)
 
     def __post_init__(self) -> None:
-        for flag, value in (("--layers", self.layers), ("--hidden", self.hidden), ("--heads", self.heads),
+        if self.heads <= 0:  # first: the head width below divides by it
+            raise UserError(f"--heads must be a positive integer, got {self.heads}")
+        for flag, value in (("--layers", self.layers), ("--hidden", self.hidden),
                             ("--seq-len", self.seq_len), ("--vocab", self.vocab), ("--kv-heads", self.kv),
                             ("--ffn-hidden", self.ffn), ("--experts", self.experts), ("--top-k", self.top_k),
                             ("--head-dim", self.head_size)):

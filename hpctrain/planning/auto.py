@@ -36,19 +36,29 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import math
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.config.model import check_experts
 from hpctrain.config.parallel import AUTO, resolve_param_dtype
+from hpctrain.core.errors import UserError
 from hpctrain.core.section import ConfigError
 from hpctrain.core.topology import Topology
+from hpctrain.estimate import bounds
 from hpctrain.estimate.activations import layer_bytes
 from hpctrain.estimate.gpu_memory import PREFETCHED_LAYERS, StateLayout, compute_bytes, states_per_rank
 from hpctrain.estimate.model import stage_layers
 from hpctrain.estimate.render import sig3
-from hpctrain.estimate.strategy_memory import MemoryInputs, optimizer_elements, recompute_of, strategy_memory
+from hpctrain.estimate.strategy_memory import (
+    MemoryInputs,
+    StrategyMemory,
+    optimizer_elements,
+    recompute_of,
+    strategy_memory,
+)
 from hpctrain.planning.layout import make_layout, world_layout
 from hpctrain.planning.machine import Machine, detect_machine
 from hpctrain.planning.profile import Profile, builtin_shape, shape_profile
@@ -57,7 +67,8 @@ if TYPE_CHECKING:
     from hpctrain.config import Config
     from hpctrain.core.env import ClusterEnv
 
-__all__ = ["Candidate", "Choice", "Machine", "apply", "choose", "detect_machine", "render", "resolve_auto"]
+__all__ = ["Candidate", "Choice", "Machine", "NoPlanFits", "apply", "choose", "detect_machine", "render",
+           "resolve_auto"]
 
 log = logging.getLogger("hpctrain")
 
@@ -93,6 +104,7 @@ class Candidate:
     deepspeed_stage: int = 0
     cp: int = 1
     ep: int = 1
+    host: float = 0.0  # bytes of host memory the rank's offloaded states take (cpu offload; not in memory)
 
     @property
     def total(self) -> float:
@@ -126,6 +138,29 @@ class Choice:
     global_batch: int
     tokens_per_sample: int | None
 
+    def assumptions(self) -> dict[str, Any]:
+        """What the plan takes for granted, as ``--json`` carries it (the table's first lines say it)."""
+        cfg = self.config
+        return {"precision": cfg.precision, "optimizer": cfg.optim.name,
+                "optimizer_state_elements": optimizer_elements(cfg),
+                "global_batch_from": "data.global_batch_size" if cfg.data.global_batch_size is not None else
+                "data.batch_size x train.grad_accum x ranks", "micro_batch": self.chosen.micro_batch}
+
+
+class NoPlanFits(ConfigError):
+    """No candidate fits the budget: the one-line message, and the smallest need for ``--json``."""
+
+    def __init__(self, message: str, smallest: Candidate, machine: Machine) -> None:
+        super().__init__(message)
+        self.smallest, self.machine = smallest, machine
+
+    def as_json(self) -> dict[str, Any]:
+        c = self.smallest
+        return {"smallest_need_bytes": round(c.total), "smallest_need": size(c.total), "smallest_plan": c.label,
+                "smallest_checkpointing": c.checkpointing, "smallest_micro_batch": c.micro_batch,
+                "smallest_memory_bytes": {k: round(v) for k, v in c.memory.items()},
+                "usable_bytes": round(self.machine.usable), "budget_bytes": round(self.machine.budget)}
+
 
 # ---------------------------------------------------------------- entry points
 
@@ -145,6 +180,7 @@ def resolve_auto(cfg: Config, env: ClusterEnv) -> Config:
 
 def choose(cfg: Config, env: ClusterEnv) -> Choice:
     """The fastest candidate that fits; ConfigError (exit 2) naming the smallest need when none does."""
+    check_sizes(cfg, env)
     prof = model_profile(cfg)
     machine = detect_machine(cfg, env)
     total = global_batch(cfg, env.world_size)
@@ -159,14 +195,59 @@ def choose(cfg: Config, env: ClusterEnv) -> Choice:
         for mode in _modes(prof):
             candidates.append(_best_of_layout(cfg, prof, machine, probe, mode, total // probe.dp))
     if not candidates:
-        raise ConfigError(f"parallel.strategy=auto found no layout the trainer can run on {env.world_size} ranks: "
-                          + "; ".join(f"{k}: {v}" for k, v in rejected.items()))
+        raise ConfigError(_no_layout(cfg, env, total, rejected))
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        raise ConfigError(_none_fits(cfg, env, machine, candidates))
+        raise NoPlanFits(_none_fits(cfg, env, machine, candidates), min(candidates, key=lambda c: c.total), machine)
     chosen = max(fitting, key=_rank)
     return Choice(apply(cfg, chosen), chosen, sorted(candidates, key=_rank, reverse=True), rejected, machine,
                   total, prof.tokens_per_sample)
+
+
+def check_sizes(cfg: Config, env: ClusterEnv) -> None:
+    """Sizes beyond physical sense refused before the search (:mod:`hpctrain.estimate.bounds`): a
+    world larger than any machine, a budget that is NaN or infinite, a model or a global batch of
+    more than 2^40 elements in a layer or a step (a search over them runs for minutes, or builds
+    lists that exhaust memory)."""
+    try:
+        bounds.check_world(env.world_size, env.local_world_size, f"{env.world_size} ranks")
+        p = cfg.parallel
+        for key, most in (("memory_budget_gb", bounds.MAX_MEMORY_GB), ("target_peak_tflops", bounds.MAX_TFLOPS)):
+            if getattr(p, key) is not None:
+                bounds.check_number(f"parallel.{key}", getattr(p, key), most)
+        total = global_batch(cfg, env.world_size)
+        bounds.check_batch(total, 1, _batch_keys(cfg))  # before the next check multiplies by the sample
+        builtin = builtin_shape_checked(cfg)
+        if builtin is not None:
+            per_sample = builtin.seq_len
+        else:  # a model that will be measured: one sample's input values (torch, but nothing built yet)
+            from hpctrain.planning.autosize import sample_elements
+
+            per_sample = sample_elements(cfg)
+        bounds.check_batch(total, per_sample, _batch_keys(cfg))
+    except UserError as err:
+        raise ConfigError(str(err)) from None
+
+
+def builtin_shape_checked(cfg: Config) -> Any:
+    """A built-in transformer's shape once its sizes are within the bounds (model.* keys named), or None."""
+    m = cfg.model
+    if m.name not in ("gpt", "llama") or m.family is not None:
+        return None
+    bounds.check_dims({"model.n_layers": m.n_layers, "model.hidden": m.hidden, "model.heads": m.heads,
+                       "model.kv_heads": m.kv_heads, "model.ffn_hidden": m.ffn_hidden, "model.seq_len": m.seq_len,
+                       "model.vocab": m.vocab, "model.experts": getattr(m, "experts", None) or None})
+    found = builtin_shape(m)
+    if found is None:
+        return None
+    bounds.check_shape(found[0], "model")
+    return found[0]
+
+
+def _batch_keys(cfg: Config) -> str:
+    if cfg.data.global_batch_size is not None:
+        return f"data.global_batch_size={cfg.data.global_batch_size:,}"
+    return f"data.batch_size={cfg.data.batch_size:,} x train.grad_accum={cfg.train.grad_accum:,} x the ranks"
 
 
 def model_profile(cfg: Config) -> Profile:
@@ -264,8 +345,12 @@ def _heads_split(prof: Profile, tp: int) -> bool:
     return prof.shape is not None and prof.shape.heads % tp == 0 and prof.shape.kv % tp == 0
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n`` in order, found up to its square root (a global batch of 2^40 samples
+    is a million trials, not a trillion); cached: the search asks for the same ones per layout."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return (*small, *(n // d for d in reversed(small) if d * d != n))
 
 
 def _pipelines(probe: Candidate, micro: int, layers: int, virtual: int = 2) -> list[tuple[int, str]]:
@@ -293,9 +378,9 @@ def _rejected(cfg: Config, prof: Profile, env: ClusterEnv, probe: Candidate, per
     by the rules that read its shape; a measured one by the trainer's own checks (torch is loaded)."""
     layers, virtual = len(prof.block_params), cfg.parallel.virtual_stages
     micro = [m for m in _divisors(per_replica) if _pipelines(probe, m, layers, virtual)]
-    if not micro:
-        return (f"the {per_replica} samples per replica and step do not split into pipeline micro-batches of "
-                f"at least parallel.pp={probe.pp}")
+    if not micro:  # the micro-batches tried are multiples of pp (PIPELINE_DEPTHS), each of whole samples
+        return (f"the {per_replica} samples per replica and step are not a multiple of parallel.pp={probe.pp} "
+                f"(the pipeline's micro-batches are {probe.pp} x 1, 2, 4, ... samples)")
     first = _pipelines(probe, micro[0], layers, virtual)[0]
     quiet = replace(cfg, checkpoint=replace(cfg.checkpoint, enabled=False))  # no log line per probe
     try:
@@ -394,14 +479,19 @@ def _candidate(cfg: Config, prof: Profile, machine: Machine, probe: Candidate, m
                pipeline: tuple[int, str]) -> Candidate:
     c = replace(probe, checkpointing=mode, micro_batch=micro, grad_accum=accum, microbatches=pipeline[0],
                 schedule=pipeline[1])
+    host = 0.0
     if prof.declared:
-        memory = declared_memory(cfg, prof, machine, c)
+        declared = strategy_memory(memory_inputs(cfg, prof, machine, c))
+        memory, host = _parts(declared), declared.offloaded
     else:
         memory = max((_measured_memory(cfg, prof, c, stage) for stage in range(c.pp)),
                      key=lambda row: sum(row.values()))
+        if c.cpu_offload:  # the states the device does not hold live in the host's memory
+            host = max(sum(_measured_memory(cfg, prof, replace(c, cpu_offload=False), stage)[part]
+                           for part in ("params", "grads", "optimizer")) for stage in range(c.pp))
     seconds = _step_seconds(cfg, prof, machine, c)
     return replace(c, memory=memory, seconds=seconds, samples_per_s=micro * accum * c.dp / seconds,
-                   fits=sum(memory.values()) <= machine.usable)
+                   fits=sum(memory.values()) <= machine.usable, host=host)
 
 
 def memory_inputs(cfg: Config, prof: Profile, machine: Machine, c: Candidate) -> MemoryInputs:
@@ -436,7 +526,10 @@ def _topology(c: Candidate, replicas: int) -> Topology:
 
 def declared_memory(cfg: Config, prof: Profile, machine: Machine, c: Candidate) -> dict[str, float]:
     """Bytes on the candidate's busiest rank, by part, from the strategies' declaration."""
-    m = strategy_memory(memory_inputs(cfg, prof, machine, c))
+    return _parts(strategy_memory(memory_inputs(cfg, prof, machine, c)))
+
+
+def _parts(m: StrategyMemory) -> dict[str, float]:
     return {"params": m.weights, "grads": m.gradients, "optimizer": m.optimizer, "gathered": m.gathered,
             "pipeline": m.pipeline_held, "activations": m.activations, "recomputed": m.recomputed,
             "transient": m.transient}
@@ -603,6 +696,32 @@ def describe(c: Candidate) -> str:
             f"{c.grad_accum} micro-steps")
 
 
+NO_LAYOUT_REASONS = 3  # distinct reasons a no-layout error shows (each once, with how many layouts it refused)
+
+
+def _no_layout(cfg: Config, env: ClusterEnv, total: int, rejected: dict[str, str]) -> str:
+    """One short line: each rule that refused layouts once (one example, and how many more it
+    refused), not every layout's reason (33,697 characters for DeepSeek-V3 on 2,048 GPUs)."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for label, why in rejected.items():  # the same rule with other numbers is the same reason
+        groups.setdefault(re.sub(r"\d+", "#", why), []).append((label, why))
+    shown = []
+    for rows in sorted(groups.values(), key=len, reverse=True)[:NO_LAYOUT_REASONS]:
+        label, why = rows[0][0], rows[0][1].split("; hint:")[0]  # the rule alone: the hints are per layout
+        more = f" (and {len(rows) - 1} more layouts alike)" if len(rows) > 1 else ""
+        shown.append(f"{label}: {why}{more}")
+    if len(groups) > NO_LAYOUT_REASONS:
+        others = len(groups) - NO_LAYOUT_REASONS
+        shown.append(f"{others} other reason{'s' if others > 1 else ''}")
+    hint = ""
+    if total % env.world_size:  # a batch every rank can share: the smallest multiple of the world above it
+        better = -(-total // env.world_size) * env.world_size
+        hint = (f"; hint: a global batch that is a multiple of the {env.world_size} ranks, e.g. "
+                f"data.global_batch_size={better}")
+    return (f"parallel.strategy=auto found no layout the trainer can run on {env.world_size} ranks with a global "
+            f"batch of {total} samples: " + "; ".join(shown) + hint)
+
+
 def _none_fits(cfg: Config, env: ClusterEnv, machine: Machine, candidates: list[Candidate]) -> str:
     """One message: what was given, the smallest need and what it is made of, and what would help."""
     smallest = min(candidates, key=lambda c: c.total)
@@ -641,13 +760,37 @@ def candidate_rows(choice: Choice) -> list[dict[str, Any]]:
     return rows
 
 
-def render(choice: Choice) -> str:
+def assumed_line(choice: Choice, assumed: list[str] | tuple[str, ...] = ()) -> str:
+    """The plan's second line: precision, optimizer (its fp32 states per parameter), where the
+    global batch came from, and the keys taken by default (``hpctrain plan``'s LLM defaults)."""
+    a = choice.assumptions()
+
+    def said(key: str, value: str) -> str:
+        return f"{key}={value}" + (" (not given: a language model's default)" if f"{key}={value}" in assumed else "")
+
+    return (f"  assumes: {said('precision', a['precision'])}, {said('optim.name', a['optimizer'])} "
+            f"({a['optimizer_state_elements']:g} fp32 states per parameter), global batch from {a['global_batch_from']}"
+            f", micro-batch chosen per plan (data.batch_size; chosen: {a['micro_batch']})")
+
+
+def host_line(choice: Choice) -> str | None:
+    """cpu offload: the host memory the chosen plan's states take, per rank and per node."""
+    c, m = choice.chosen, choice.machine
+    if not c.cpu_offload:
+        return None
+    per_node = c.host * max(1, min(m.local, c.dp * c.tp * c.pp * c.cp))
+    return (f"host memory (cpu offload): {size(c.host)} per rank, {size(per_node)} per node of {m.local} ranks "
+            "(pinned CPU memory the node must have free)")
+
+
+def render(choice: Choice, assumed: list[str] | tuple[str, ...] = ()) -> str:
     m, c = choice.machine, choice.chosen
     rate = "tokens/s" if choice.tokens_per_sample else "samples/s"
     scale = choice.tokens_per_sample or 1
     lines = [f"parallel.strategy=auto: {c.dp * c.tp * c.pp * c.cp} ranks ({m.local} per node), budget "
              f"{size(m.budget)} per rank on {m.name} ({size(m.usable)} usable, {m.attention} attention), global "
              f"batch {choice.global_batch}",
+             assumed_line(choice, assumed),
              f"  {'plan':<26} {'checkpointing':<13} {'micro x accum':>13} {'memory/rank':>12} {'fits':>4} "
              f"{'est. ' + rate:>16}"]
     for row in choice.candidates:
@@ -659,8 +802,10 @@ def render(choice: Choice) -> str:
     lines.append(f"chosen: {describe(c)}: the highest estimated throughput of the "
                  f"{sum(r.fits for r in choice.candidates)} plans that fit; estimated {size(c.total)} per rank (" +
                  ", ".join(f"{k} {size(v)}" for k, v in c.memory.items() if v) + ")")
+    host = host_line(choice)
+    lines += [host] if host else []
     lines += [f"why: {line}" for line in _why(choice)]
-    lines.append("config: " + " ".join(overrides(c, choice.config, m)))
+    lines.append("config: " + " ".join([*overrides(c, choice.config, m), *assumed]))
     return "\n".join(lines)
 
 

@@ -19,6 +19,8 @@ meta count errs high where a kernel on real memory saves less than its meta deco
 from __future__ import annotations
 
 import contextlib
+import difflib
+import math
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,12 @@ def profile(cfg: Config) -> Profile:
                    _shape(model, cfg) if blocks else None, sample[0] if tokens else None)
 
 
+def sample_elements(cfg: Config) -> int:
+    """Values in one sample's input (28 x 28 for MNIST): what bounds a measured model's global batch,
+    known before the model is built; ConfigError as :func:`profile` for a model without an input."""
+    return math.prod(_input(cfg)[0])
+
+
 def _input(cfg: Config) -> tuple[tuple[int, ...], torch.dtype, int]:
     """One sample's shape and dtype and the class count: a registered model's own; a user's from
     ``model.input_shape`` (token ids of that length under ``train.task=causal_lm``, else a float
@@ -76,6 +84,11 @@ def _input(cfg: Config) -> tuple[tuple[int, ...], torch.dtype, int]:
         tokens = spec.input_dtype == torch.long
         return ((cfg.model.seq_len,) if tokens else spec.input_shape), spec.input_dtype, \
             cfg.model.num_classes or spec.num_classes
+    if ":" not in cfg.model.name:  # neither registered nor package.module:NAME: a typo, not a user's model
+        near = difflib.get_close_matches(cfg.model.name, REGISTRY, n=1)
+        raise ConfigError(f"model.name={cfg.model.name!r} is not a registered model; choose one of: "
+                          f"{', '.join(REGISTRY)}, or give a factory or nn.Module class as package.module:NAME"
+                          + (f"; hint: model.name={near[0]}" if near else ""))
     if not given:
         raise ConfigError(f"parallel.strategy=auto sizes a user's model from one sample's shape; model.name="
                           f"{cfg.model.name} declares no input shape to measure it with; hint: "

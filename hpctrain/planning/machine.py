@@ -76,12 +76,23 @@ def target_machine(cfg: Config, env: ClusterEnv) -> Machine:
                               "parallel.target_peak_tflops (hpctrain plan --gpu-memory-gb, --peak-tflops)") from None
         name, budget, peak = p.target_gpu, 0.0, 0.0
     else:
+        _check_precision(gpu.name, gpu.tflops, cfg.precision, p.target_peak_tflops)
         name, budget, peak = gpu.name, gpu.memory_bytes, _table_peak(gpu.tflops, cfg.precision)
     budget = p.memory_budget_gb * 1e9 if p.memory_budget_gb is not None else budget
     peak = p.target_peak_tflops * 1e12 if p.target_peak_tflops is not None else peak
     flops = UTILISATION * peak if peak else UNKNOWN_GPU_FLOPS
     return Machine("cuda", name, budget, budget * (1 - p.memory_margin), flops, *GPU_LINKS, env.local_world_size,
                    target=p.target_gpu)
+
+
+def _check_precision(name: str, tflops: dict[str, float | None], precision: str, given: float | None) -> None:
+    """fp8 on a GPU without fp8 matmuls (A100, V100, ...) is refused, as ``hpctrain estimate`` refuses
+    it: the plan would rank candidates at a rate the chip cannot run. A peak given for the part
+    (``parallel.target_peak_tflops``) is the user's word that it has one."""
+    if precision == "fp8" and tflops.get("fp8") is None and given is None:
+        have = ", ".join(k for k, v in tflops.items() if v is not None)
+        raise ConfigError(f"precision=fp8: {name} has no fp8 matmuls (it has: {have}); hint: precision=bf16, or a "
+                          "GPU with fp8 (h100-sxm, h200, b200, mi300x, l40s)")
 
 
 def _table_peak(tflops: dict[str, float | None], precision: str) -> float:

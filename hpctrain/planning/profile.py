@@ -78,7 +78,8 @@ class Profile:
 def gpt_shape(cfg: ModelConfig) -> TransformerShape:
     """hpctrain's gpt: GPT-2's layout, vocabulary model.vocab or 256 (bytes)."""
     return TransformerShape(layers=cfg.n_layers, hidden=cfg.hidden, heads=cfg.heads, seq_len=cfg.seq_len,
-                            vocab=cfg.vocab or 256, tied=cfg.tie_weights, dropout=cfg.dropout > 0)
+                            vocab=cfg.vocab or 256, tied=cfg.tie_weights, dropout=cfg.dropout > 0,
+                            bias="all" if cfg.bias else "none")
 
 
 def llama_shape(cfg: ModelConfig) -> TransformerShape:
