@@ -129,7 +129,8 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_runtime(cfg: Config, env: cluster.ClusterEnv) -> None:
-    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
+    # the CPUs this process may run on (a Slurm step binds each task to its --cpus-per-task), not the node's
+    threads = cfg.train.threads or max(1, len(os.sched_getaffinity(0)) // env.local_world_size)
     torch.set_num_threads(threads)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

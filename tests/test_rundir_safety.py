@@ -190,3 +190,87 @@ def test_disk_full_at_start_is_exit_1(tmp_path: Path, monkeypatch: pytest.Monkey
     line = _error_line(result, 1)
     assert f"cannot write into run.dir {run}: No space left on device; hint: free space" in line, line
     assert not run.exists()
+
+
+# ---------------------------------------------------------------- links out of the run directory (issue 42, point 1)
+
+
+def test_overwrite_never_deletes_or_writes_through_a_checkpoints_link(finished: Path, tmp_path: Path,
+                                                                      hpctrain_in_process: Run) -> None:
+    """The issue's case: RUN/checkpoints a link to another run's checkpoints; run.overwrite=true
+    resume=never used to delete that folder's step-000000001/ and write its own steps there."""
+    run, other = tmp_path / "run", tmp_path / "other-run-checkpoints"
+    shutil.copytree(finished, run)
+    shutil.move(run / "checkpoints", other)
+    (run / "checkpoints").symlink_to(other)
+    before, outside = _tree(run), _tree(other)
+    result = hpctrain_in_process(["train", *TINY, "train.max_steps=2", "run.overwrite=true", "resume=never",
+                                  f"run.dir={run}"], tmp_path)
+    line = _error_line(result, 2)
+    assert f"run.dir {run}: checkpoints is a symbolic link to {other}, outside the run directory; hpctrain never " \
+           "writes or deletes through a link out of its run directory" in line, line
+    assert f"hint: remove the link ({run / 'checkpoints'})" in line
+    assert _tree(other) == outside and _tree(run) == before
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", ".hpctrain.lock", "tensorboard", "checkpoints/step-000000002",
+                                  "checkpoints/best.json", "slurm-7.out", "summary.json"])
+def test_every_name_hpctrain_writes_is_checked_for_a_link_out(name: str, finished: Path, tmp_path: Path) -> None:
+    run, outside = tmp_path / "run", tmp_path / "elsewhere"
+    shutil.copytree(finished, run)
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    target = run / name
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink(missing_ok=True)
+    target.symlink_to(outside if name in ("tensorboard", "checkpoints/step-000000002") else outside / "keep.txt")
+    for overwrite, resume in ((True, "never"), (False, "auto")):
+        with pytest.raises(RunDirError, match=f": {name} is a symbolic link to {outside}"):
+            check_run_dir(run, overwrite, resume)
+    assert (outside / "keep.txt").read_text() == "mine"
+
+
+def test_a_link_that_stays_inside_the_run_directory_is_followed(finished: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    os.replace(run / "checkpoints", run / "checkpoints.real")
+    (run / "checkpoints").symlink_to("checkpoints.real")
+    (run / "summary.json").unlink()
+    assert check_run_dir(run, False, "auto") == "continue"
+
+
+def test_the_lock_is_never_taken_through_a_link(tmp_path: Path) -> None:
+    """Taking the lock truncates and rewrites its file: never the one a link points to, even one
+    made after the run directory was checked."""
+    from hpctrain.core.run_lock import RunDirLinkError, RunDirLock
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".hpctrain.lock").symlink_to(victim)
+    with pytest.raises(RunDirLinkError, match=r"\.hpctrain\.lock is a symbolic link to .*victim\.txt"):
+        RunDirLock(tmp_path / "run").acquire()
+    assert victim.read_text() == "precious"
+
+
+# ---------------------------------------------------------------- a dropped bound (issue 38, point 4)
+
+
+def test_dropping_max_steps_continues_a_finished_run_like_a_larger_bound(finished: Path, tmp_path: Path) -> None:
+    """The finished run stopped at train.max_steps=4 of its 3 epochs (12 steps): the same command
+    without train.max_steps continues to the epochs' end, exactly as train.max_steps=12 does."""
+    from hpctrain.train import train
+
+    dropped, raised = tmp_path / "dropped", tmp_path / "raised"
+    shutil.copytree(finished, dropped)
+    shutil.copytree(finished, raised)
+    assert check_run_dir(dropped, False, "auto", load_config(None, TINY).train) == "extend"
+    without = train(load_config(None, [*TINY, f"run.dir={dropped}"]))
+    larger = train(load_config(None, [*TINY, "train.max_steps=12", f"run.dir={raised}"]))
+    assert without["steps"] == larger["steps"] == 12
+    assert without["params_sha256"] == larger["params_sha256"]
+    # now every epoch is done: the same command has nothing left to train
+    with pytest.raises(RunDirError, match="already holds a finished run .*nothing to resume"):
+        check_run_dir(dropped, False, "auto", load_config(None, TINY).train)

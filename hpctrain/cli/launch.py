@@ -14,10 +14,12 @@ from typing import Any
 from hpctrain.checkpoint.preempt import keep_signals, signal_names
 from hpctrain.config import config_from_args
 from hpctrain.config.checkpoint import CheckpointConfig
-from hpctrain.core.errors import EXIT_PREEMPTED, UserError
+from hpctrain.core.atomic import atomic_write_text
+from hpctrain.core.errors import EXIT_PREEMPTED, UserError, io_error
 from hpctrain.core.protocol import program_signals, read_status
 from hpctrain.core.rundir import resolve_run_dir
 from hpctrain.launch import DEFAULT_HANG_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S, slurm
+from hpctrain.launch.container import check_present, definition
 from hpctrain.launch.doctor import render_text, report, summarise
 from hpctrain.launch.program import user_program
 from hpctrain.launch.slurm_jobs import cancel, status, submit
@@ -136,8 +138,13 @@ def _add_slurm(sub: Any) -> None:
                                                       "(default: its own)")
     p.add_argument("--python", help="interpreter in the job (default: this one; python3 in a container)")
     p.add_argument("--rdzv-port", type=int, help="c10d rendezvous port (default: 20000 + job id mod 20000)")
-    p.add_argument("--env", action="append", default=[], help="NAME=VALUE exported in the job (repeatable); "
-                                                              "NCCL_*/GLOO_* of this shell are passed anyway")
+    p.add_argument("--env", action="append", default=[],
+                   help="NAME=VALUE exported in the job (written into the script), or NAME: passed from this "
+                        "environment through sbatch's, written nowhere (repeatable); credentials (HF_TOKEN, "
+                        "*_SECRET_*, *_KEY, ...) only as NAME; NCCL_*/GLOO_* of this shell are passed anyway")
+    p.add_argument("--container-def", metavar="FILE",
+                   help="write an Apptainer definition for this config's job (hpctrain with the extras and packages "
+                        "it needs) to FILE and exit; then: apptainer build IMAGE.sif FILE")
     p.add_argument("--run-dir", help="your own program (SCRIPT.py or python -m MODULE after --): its run "
                                       "directory for logs and status (default runs/<script name>)")
     p.add_argument("--json", action="store_true", help="status: print JSON")
@@ -190,6 +197,8 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 
 def _slurm_write(args: argparse.Namespace) -> int:
+    if args.container_def:
+        return _container_def(Path(args.container_def), args.config_args)
     missing = [f"--{name}" for name in ("nodes", "time") if getattr(args, name) is None]
     if missing:
         raise UserError(f"hpctrain slurm needs {' and '.join(missing)}; e.g. --nodes 2 --time 04:00:00")
@@ -203,12 +212,13 @@ def _slurm_write(args: argparse.Namespace) -> int:
         run_dir=args.run_dir)
     job = slurm.sbatch_job(opts, args.config_args)
     text = slurm.render(job)
-    warning = slurm.missing_cpus_warning(job)
-    if warning:
+    for warning in slurm.job_warnings(job):
         print(f"hpctrain slurm: warning: {warning}", file=sys.stderr)
     if args.dry_run:
         sys.stdout.write(text)
         return 0
+    if job.container is not None:  # the image and its runtime, before a job waits in the queue for nothing
+        check_present(job.container)
     script = slurm.write_script(job, text)
     if not args.submit:
         print(f"wrote {script}; submit with: sbatch {script}  (or hpctrain slurm ... --submit)")
@@ -217,6 +227,17 @@ def _slurm_write(args: argparse.Namespace) -> int:
     job_id = submit(script, job.run_dir, opts.nodes)
     print(f"submitted job {job_id}: {script}")
     print(f"logs: {job.run_dir}/slurm-{job_id}.out; status: hpctrain slurm status {job.run_dir}")
+    return 0
+
+
+def _container_def(path: Path, config_args: list[str]) -> int:
+    """``--container-def FILE``: the definition of the image this config's job needs."""
+    text = definition(slurm.image_needs(config_args))
+    try:
+        atomic_write_text(path, text)
+    except OSError as err:
+        raise io_error("write the container definition", path, err) from err
+    print(f"wrote {path}; build the image with: apptainer build {path.with_suffix('.sif')} {path}")
     return 0
 
 

@@ -35,6 +35,10 @@ class RunDirInUseError(UserError):
     """Another live run holds the run directory."""
 
 
+class RunDirLinkError(UserError):
+    """The lock's name in the run directory is a symbolic link."""
+
+
 class RunDirLock:
     """The lock of one run directory, held by one process (the run's rank 0)."""
 
@@ -45,7 +49,7 @@ class RunDirLock:
     def acquire(self) -> None:
         """Take the lock, or raise :class:`RunDirInUseError` naming its live owner."""
         while self._fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -62,6 +66,19 @@ class RunDirLock:
             else:
                 os.close(fd)
         self._take_over()
+
+    def _open(self) -> int:
+        """The lock file, never through a symbolic link: taking the lock truncates and rewrites it, which
+        through a link would overwrite the file it points to (hpctrain.core.rundir.check_links says so
+        first; this holds even for a link made since)."""
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise RunDirLinkError(f"run.dir {self.path.parent}: {LOCK_NAME} is a symbolic link to "
+                                  f"{os.path.realpath(self.path)}; hpctrain never writes through a link; hint: remove "
+                                  f"it ({self.path})") from None
 
     def release(self) -> None:
         """Unlink (while still holding it) and drop the lock; a no-op when not held."""

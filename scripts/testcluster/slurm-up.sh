@@ -14,7 +14,9 @@ NODE=$(hostname -s)
 mkdir -p "$L/state/ctld" "$L/log" "$L/run"
 HW=$(slurmd -C | sed -nE '1s/^NodeName=[^ ]+ (.*) RealMemory=.*/\1/p')
 MEM=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) * 9 / 10240 ))   # 90% of RAM, MiB
-CONF="$(slurm_conf "$L" "$NODE" 127.0.0.1 "$PORT1" $(( PORT1 + 1 )))
+# the 1-node cluster binds each task to its CPUs (tests/slurm checks a rank's affinity); the 2-node one
+# does not: both of its nodes share this machine's CPUs, and binding could put both ranks on one core
+CONF="$(TASK_PLUGIN=task/affinity slurm_conf "$L" "$NODE" 127.0.0.1 "$PORT1" $(( PORT1 + 1 )))
 NodeName=$NODE NodeAddr=127.0.0.1 $HW RealMemory=$MEM State=UNKNOWN
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP"
 if [ "$(cat "$SLURM_CONF" 2>/dev/null)" = "$CONF" ] && alive munged "$L/munge/munged.pid" \

@@ -17,15 +17,17 @@
 #SBATCH --error=/work/project/runs/golden/slurm-%j.err
 
 # Written by `hpctrain slurm`; `hpctrain slurm status RUN_DIR` reports on the job.
-# On USR1 (the time-limit warning, or `scancel --signal=USR1 --batch`) the trap below forwards
-# it to the job step; the ranks save and exit 3; only then, and only while fewer than
-# MAX_REQUEUES requeues happened, this shell (on the host) runs `scontrol requeue`.
+# On USR1 (the time-limit warning, or `scancel --signal=USR1 --batch`) and on TERM (a grace-time
+# preemption, an admin's scancel) the traps below forward the signal to the job step; the ranks
+# save and exit 3; only then, and only while fewer than MAX_REQUEUES requeues happened, this shell
+# (on the host) runs `scontrol requeue`.
 set -u
 RUN_DIR=/work/project/runs/golden
 MAX_REQUEUES=3
 echo "hpctrain: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST at $(date -u +%FT%TZ)"
 # set-up (--setup)
 module load cuda/12.4; source /opt/venv/bin/activate
+export SRUN_CPUS_PER_TASK=64  # srun's CPUs per task (22.05-23.02 do not inherit sbatch's)
 export OMP_NUM_THREADS=8  # CPUs per rank
 export GLOO_SOCKET_IFNAME=ib0
 export NCCL_DEBUG=WARN
@@ -34,10 +36,11 @@ HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))  # per job: two jobs on one node never collide
 
 interrupted=0
-forward() { interrupted=1; echo "hpctrain: USR1 at $(date -u +%FT%TZ), forwarding to the job step"; kill -USR1 "$step" 2>/dev/null; }
-trap forward USR1
+forward() { interrupted=1; echo "hpctrain: $1 at $(date -u +%FT%TZ), forwarding to the job step"; }
+trap 'forward USR1; kill -USR1 "$step" 2>/dev/null' USR1
+trap 'forward TERM; scancel --signal=TERM "$SLURM_JOB_ID"' TERM
 started=$(date +%s)
-srun --nodes=4 --ntasks-per-node=1 \
+srun --nodes=4 --ntasks-per-node=1 --cpus-per-task=64 \
   python -m hpctrain run --nnodes=4 --nproc=8 --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --shutdown-timeout=600 \
   train data.name=synthetic_tiny model.name=mnist_cnn run.dir=/work/project/runs/golden &
 step=$!

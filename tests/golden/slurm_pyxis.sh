@@ -12,9 +12,10 @@
 #SBATCH --error=/work/project/runs/golden/slurm-%j.err
 
 # Written by `hpctrain slurm`; `hpctrain slurm status RUN_DIR` reports on the job.
-# On USR1 (the time-limit warning, or `scancel --signal=USR1 --batch`) the trap below forwards
-# it to the job step; the ranks save and exit 3; only then, and only while fewer than
-# MAX_REQUEUES requeues happened, this shell (on the host) runs `scontrol requeue`.
+# On USR1 (the time-limit warning, or `scancel --signal=USR1 --batch`) and on TERM (a grace-time
+# preemption, an admin's scancel) the traps below forward the signal to the job step; the ranks
+# save and exit 3; only then, and only while fewer than MAX_REQUEUES requeues happened, this shell
+# (on the host) runs `scontrol requeue`.
 set -u
 RUN_DIR=/work/project/runs/golden
 MAX_REQUEUES=3
@@ -29,8 +30,9 @@ HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))  # per job: two jobs on one node never collide
 
 interrupted=0
-forward() { interrupted=1; echo "hpctrain: USR1 at $(date -u +%FT%TZ), forwarding to the job step"; kill -USR1 "$step" 2>/dev/null; }
-trap forward USR1
+forward() { interrupted=1; echo "hpctrain: $1 at $(date -u +%FT%TZ), forwarding to the job step"; }
+trap 'forward USR1; kill -USR1 "$step" 2>/dev/null' USR1
+trap 'forward TERM; scancel --signal=TERM "$SLURM_JOB_ID"' TERM
 started=$(date +%s)
 srun --nodes=2 --ntasks-per-node=1 --container-image='nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/work/project:/work/project --container-workdir=/work/project \
   python3 -m hpctrain run --nnodes=2 --nproc=4 --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --shutdown-timeout=300 \

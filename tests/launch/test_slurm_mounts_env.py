@@ -113,7 +113,8 @@ def test_every_variable_a_rendered_script_assigns_is_refused_as_env(tmp_path, mo
 
 def test_an_env_omp_num_threads_of_the_users_is_the_only_one(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code, out, err = _slurm(capsys, *CONFIG, *TIME, "--cpus-per-task", "8", "--env", "OMP_NUM_THREADS=3", "--dry-run")
+    code, out, err = _slurm(capsys, *CONFIG, *TIME, "--cpus-per-task", "8", "--mem", "8G", "--env", "OMP_NUM_THREADS=3",
+                            "--dry-run")
     assert code == 0 and [line for line in out.splitlines() if "OMP_NUM_THREADS" in line] == \
         ["export OMP_NUM_THREADS=3"]
     assert "warning" not in err
@@ -142,5 +143,6 @@ def test_without_cpus_per_task_a_warning_and_threads_from_the_cpus_the_job_got(t
         got = subprocess.run(["bash", "-c", f"set -u\n{lines}\necho $OMP_NUM_THREADS"], env=env,
                              capture_output=True, text=True, check=True).stdout.strip()
         assert got == threads, (cpus, got)
-    code, out, err = _slurm(capsys, *CONFIG, *TIME, "--nproc-per-node", "2", "--cpus-per-task", "6", "--dry-run")
+    code, out, err = _slurm(capsys, *CONFIG, *TIME, "--nproc-per-node", "2", "--cpus-per-task", "6", "--mem", "0",
+                            "--dry-run")
     assert code == 0 and "warning" not in err and "export OMP_NUM_THREADS=3  # CPUs per rank" in out

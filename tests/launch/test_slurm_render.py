@@ -115,7 +115,10 @@ def _default_signals() -> None:
 
 
 def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signal_after: float | None = None,
-                max_requeues: int = 2, sig: str = "USR1", saved: bool = False) -> tuple[int, str]:
+                max_requeues: int = 2, sig: str = "USR1", saved: bool = False, send: str | None = None
+                ) -> tuple[int, str]:
+    """Run the script of a job with --signal SIG under bash with fake Slurm commands; SEND (default
+    SIG) is sent to the batch shell SIGNAL_AFTER seconds after the step started."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)):
@@ -138,7 +141,7 @@ def _run_script(tmp_path: Path, *, restarts: int = 0, step_exit: str = "", signa
             time.sleep(0.02)
         time.sleep(signal_after)
         for _ in range(2):  # B:SIG reaches the batch shell only; a second one (a repeated warning) changes nothing
-            proc.send_signal(getattr(signal, f"SIG{sig}"))
+            proc.send_signal(getattr(signal, f"SIG{send or sig}"))
             time.sleep(0.1)
     out, _ = proc.communicate(timeout=30)
     return proc.returncode, out.decode() + log.read_text()
@@ -152,6 +155,16 @@ def test_the_signal_to_the_batch_shell_is_forwarded_and_requeues(tmp_path: Path,
     # srun would answer HUP/TERM with SIGKILL to every task: those reach the step through scancel
     assert (f"scancel --signal={sig} 4242" in out) == (sig in ("HUP", "TERM")), out
     assert "--rdzv-endpoint=node7:" in out.replace('"', "") or "rdzv-endpoint=node7" in out, out
+
+
+def test_term_to_the_batch_shell_of_a_usr1_job_is_forwarded_and_requeues(tmp_path: Path) -> None:
+    """A preemption with a grace time (and an admin's scancel) sends TERM to every process of the
+    job: the batch shell traps it besides --signal's SIG, hands it to the step through scancel
+    (srun would SIGKILL the tasks) and requeues after the ranks' exit 3."""
+    code, out = _run_script(tmp_path, signal_after=0.2, sig="USR1", send="TERM")
+    assert code == 3, out
+    assert "hpctrain: TERM at " in out and "step-got-TERM" in out and "scancel --signal=TERM 4242" in out, out
+    assert out.count("scontrol requeue 4242") == 1, out
 
 
 def test_no_requeue_after_k_restarts_nor_on_failure(tmp_path: Path) -> None:

@@ -37,10 +37,14 @@ def test_header_trap_and_ranks_agree_and_the_shell_does_the_slurm_calls(sig: str
     plan = _job(signal=sig, **RUNTIMES[runtime])
     text = render(plan)
     assert f"#SBATCH --signal=B:{sig}@{plan.signal_lead_s}\n" in text
-    assert f"\ntrap forward {sig}\n" in text
-    forward = next(line for line in text.splitlines() if line.startswith("forward()"))
-    assert (f'kill -{sig} "$step"' in forward) == (sig in slurm.SRUN_PASSES)
-    assert (f'scancel --signal={sig} "$SLURM_JOB_ID"' in forward) == (sig not in slurm.SRUN_PASSES)
+    # the preemption signal and TERM (a preemption's grace time signals every process, the batch shell too)
+    traps = [line for line in text.splitlines() if line.startswith("trap ")]
+    assert [line.rsplit(" ", 1)[1] for line in traps] == ([sig, "TERM"] if sig != "TERM" else ["TERM"])
+    for line in traps:
+        trapped = line.rsplit(" ", 1)[1]
+        how = f'kill -{trapped} "$step"' if trapped in slurm.SRUN_PASSES else \
+            f'scancel --signal={trapped} "$SLURM_JOB_ID"'
+        assert line.startswith(f"trap 'forward {trapped}; {how}") and line.endswith(f"' {trapped}"), line
     # the ranks save on it (and on Slurm's own SIGTERM): the default list holds USR1 and TERM already
     ranks = load_config(None, list(plan.config_args)).checkpoint.signals
     assert ranks == (["SIGUSR1", "SIGTERM"] if sig in ("USR1", "TERM") else [f"SIG{sig}", "SIGTERM"])

@@ -4,8 +4,9 @@ its trap hands SIG to the job step (USR1/USR2 through srun, HUP/TERM through sca
 SIGKILL) -> `hpctrain run` forwards it to the rank, whose checkpoint.signals hold it -> it saves and exits 3 ->
 the script requeues the job -> the requeued job resumes and ends with the same weights as an uninterrupted run.
 
-Cheap on purpose: one tiny 1-rank job per forwarding path, all submitted at once (two run side by side on the test
-node's two CPUs), each signalled as soon as it trains; 2 ranks on 2 nodes: tests/multinode/test_slurm2.py."""
+Cheap on purpose: one tiny 1-rank job per forwarding path, all submitted at once, each signalled as soon as it
+trains; 2 ranks on 2 nodes: tests/multinode/test_slurm2.py. The TERM job also checks the CPUs srun gives the rank
+(it takes both of a 2-CPU test node, so the other job runs while it waits for its requeue, or after it)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 
 from hpctrain.launch.slurm import SIGNALS
 from tests.dist_utils import ROOT
-from tests.slurm.cluster import FAST, JOB, SLOW, Up, job_field, job_logs, submit, summary, wait_finished, wait_for
+from tests.slurm.cluster import FAST, JOB, Up, job_field, job_logs, submit, summary, wait_finished, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -29,8 +30,16 @@ TINY = (f"train.max_steps={STEPS}", "checkpoint.every_steps=null")  # only the s
 # One job per forwarding path, to keep the suite short: TERM through scancel here, HUP through
 # scancel to a user's own script (the last test), USR1 through srun in the 2-node job of
 # tests/multinode/test_slurm2.py (USR2 takes the same path: tests/launch/test_slurm_render.py runs
-# each signal through the batch shell).
+# each signal through the batch shell). The TERM job keeps the default --signal USR1: TERM is what
+# a preemption with a grace time (or an admin's scancel) sends every process of a job, the batch
+# shell included, which traps it as well as USR1 (issue 38, point 5).
 TRAIN_SIGNALS = ("TERM",)
+# ... and it asks for 2 CPUs per task, which srun must hand to the step: Slurm 22.05-23.02's srun does
+# not take sbatch's --cpus-per-task, so a step that gets only what it asks for (SLURM_EXACT=1, as sites
+# set it, or --exact) got one CPU. The rank's CPU affinity shows it (the test cluster binds tasks:
+# TaskPlugin=task/affinity), and so does SLURM_CPUS_ON_NODE in its environment (the step's CPUs).
+CPUS = 2
+REPORTING = "model.name=tests.slurm.affinity_model:slow_mlp_reporting"  # slow_mlp, recording its affinity
 assert set(TRAIN_SIGNALS) | {"HUP", "USR1", "USR2"} == set(SIGNALS)
 
 
@@ -81,8 +90,11 @@ def jobs(slurm: Up, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     """One job per signal, each preempted once while it trains, then left to finish; and a user's
     own script under --signal HUP."""
     root = tmp_path_factory.mktemp("signals")
-    submitted = {sig: Job(root / sig, submit(slurm, root / sig, SLOW, "--nodes", "1", "--nproc-per-node", "1",
-                                             "--signal", sig, config=TINY)) for sig in TRAIN_SIGNALS}
+    submitted = {sig: Job(root / sig, submit(slurm, root / sig, REPORTING, "--nodes", "1", "--nproc-per-node", "1",
+                                             "--cpus-per-task", str(CPUS), "--mem", "1G",
+                                             "--setup", "export SLURM_EXACT=1", "--env",
+                                             f"HPCTRAIN_TEST_AFFINITY_DIR={root / f'{sig}-affinity'}", config=TINY))
+                 for sig in TRAIN_SIGNALS}
     submitted["script"] = Job(root / "script", _submit_script(slurm, root / "script"))
     try:
         waiting = dict(submitted)
@@ -119,6 +131,18 @@ def test_each_signal_saves_requeues_and_resumes_bit_identical(jobs: dict[str, Jo
     got = summary(job.run_dir)
     assert got["steps"] == STEPS and got["world_size"] == 1
     assert got["params_sha256"] == reference_one_rank
+
+
+def test_the_ranks_get_the_cpus_per_task_before_and_after_the_requeue(jobs: dict[str, Job]) -> None:
+    """srun --cpus-per-task (and SRUN_CPUS_PER_TASK): the rank may run on CPUS cores, not the one
+    Slurm 22.05's srun gives a step that gets what it asks for (without them: affinity [0],
+    SLURM_CPUS_ON_NODE 1), and its threads follow (OMP_NUM_THREADS)."""
+    job = jobs["TERM"]
+    seen = [json.loads(p.read_text()) for p in sorted((job.run_dir.parent / "TERM-affinity").glob("rank*.json"))]
+    assert {s["restart"] for s in seen} == {"0", "1"}, seen  # the first start and the requeued one
+    for rank in seen:
+        assert len(rank["affinity"]) == CPUS and rank["slurm_cpus_on_node"] == str(CPUS), seen
+        assert rank["omp_num_threads"] == str(CPUS), seen
 
 
 def test_a_users_script_is_preempted_requeued_and_finishes(jobs: dict[str, Job]) -> None:
