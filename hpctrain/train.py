@@ -216,10 +216,10 @@ class Loop:
     def __post_init__(self) -> None:
         self.forward_done = functools.partial(self.tel.meter.lap, FORWARD)  # bound once: the hot path
         train = self.cfg.train
-        if train.nonfinite == "skip" and self.parts.strategy.name == "deepspeed":
+        if train.nonfinite == "skip" and self.parts.strategy.steps_in_engine:
             raise ConfigError("train.nonfinite=skip needs the loop to own the optimizer step, but parallel.strategy="
-                              "deepspeed steps inside its engine (which skips fp16 overflows itself); hint: "
-                              "train.nonfinite=stop")
+                              f"{self.parts.strategy.name} steps inside its engine (which skips fp16 overflows "
+                              "itself); hint: train.nonfinite=stop")
         self.watch = NumericsWatch(train.nonfinite, train.nonfinite_patience)
         self.params = list(self.parts.model.parameters())  # listed once: the per-step gradient check
         strategy = self.parts.strategy
@@ -401,7 +401,7 @@ def _skip_update(loop: Loop) -> None:
     """A skipped step: the weights, buffers and the optimizer's state stay as they were; the gradients
     go, and the schedule advances as the step counter does (the strategy's optimizer_step, less the update)."""
     parts = loop.parts
-    if parts.strategy.name == "deepspeed":
+    if parts.strategy.steps_in_engine:
         return  # its engine stepped in the micro-step (train.nonfinite=skip is refused for it)
     with torch.no_grad():
         for buffer, kept in zip(loop.buffers, loop.kept_buffers, strict=True):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.cli.estimate import one_line_errors
-from hpctrain.config import Config, config_from_args, split_config_args
+from hpctrain.config import Config, _read_yaml, config_from_args, split_config_args
 from hpctrain.config.parallel import AUTO
 from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import HpctrainError
@@ -62,8 +62,6 @@ def _error_json(err: HpctrainError) -> dict[str, Any]:
 def _given_keys(config_args: list[str]) -> set[str]:
     """The dotted keys the command line's overrides and its YAML file set (the file was read and
     checked by config_from_args already)."""
-    from hpctrain.config import _read_yaml  # the raw mapping: which keys the file sets, not their values
-
     path, items = split_config_args(config_args)
     keys = {item.partition("=")[0].strip() for item in items}
     raw = _read_yaml(Path(path)) if path is not None else {}

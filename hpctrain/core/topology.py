@@ -12,8 +12,7 @@ the data-parallel rank and size the loaders see (:meth:`Topology.dp_rank`, :attr
 and the FLOP divisor telemetry uses (:attr:`Topology.flop_divisor`).
 
 Adding a dimension (context parallel, say) is this object plus the strategy that uses it:
-give the size a config key that :meth:`Topology.from_config` reads (the config check refuses
-``cp``/``ep`` > 1 until then, see :data:`NOT_YET`), let :meth:`Topology.dims` place it in the mesh (and
+give the size a config key that :meth:`Topology.from_config` reads, let :meth:`Topology.dims` place it in the mesh (and
 :meth:`Topology.flattened` name any dimension made of several, as ``dp`` is under HSDP), and
 say in :attr:`Topology.flop_divisor` / :meth:`Topology.dp_rank` what share of the work a rank
 holds. The mesh, the data ranks and telemetry then follow without further edits; the strategy
@@ -31,10 +30,6 @@ from dataclasses import dataclass, fields
 from typing import Protocol
 
 from hpctrain.core.section import ConfigError
-
-# Dimensions with a size but no implementation in the trainer yet: the config check refuses them
-# (exit 2) rather than ignoring them.
-NOT_YET: dict[str, str] = {}
 
 # Strategies whose data-parallel dimension is replicas (outer) x shards (inner): HSDP.
 REPLICATED = ("hsdp",)
@@ -73,14 +68,6 @@ class Topology:
             size = getattr(self, f.name)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ConfigError(f"topology {f.name}={size!r} must be a positive integer")
-
-    def check_implemented(self) -> None:
-        """A ConfigError (exit 2) for a dimension the trainer cannot run yet (:data:`NOT_YET`)."""
-        for name, what in NOT_YET.items():
-            size = getattr(self, name)
-            if size > 1:
-                raise ConfigError(f"{name}={size}: {what} parallelism is not implemented yet; hint: {name}=1 "
-                                  "(parallel.dp, parallel.tp, parallel.pp and parallel.dp_replicate are)")
 
     # ---------------------------------------------------------------- sizes
 
@@ -176,7 +163,6 @@ class Topology:
         replicate = _replicas(cfg, dp, num_nodes)
         topo = cls(pp=cfg.pp, dp_replicate=replicate, dp_shard=dp // replicate, cp=getattr(cfg, "cp", 1), tp=cfg.tp,
                    ep=getattr(cfg, "ep", 1))
-        topo.check_implemented()
         if topo.ep > 1 and (topo.dp_shard % topo.ep or topo.dp_replicate > 1):
             raise ConfigError(f"parallel.ep ({topo.ep}) must divide the data-parallel degree dp ({topo.dp}), without "
                               "HSDP replicas: the experts are split over data-parallel ranks; hint: parallel.ep="

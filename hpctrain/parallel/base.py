@@ -66,6 +66,9 @@ class Strategy:
     wraps_a_strategy: ClassVar[bool] = False  # built around another one (registry.make_strategy hands it over)
     # a mesh also for data parallelism alone (FSDP shards over its dp dim), not only when the model is split
     needs_mesh: ClassVar[bool] = False
+    # the optimizer step happens inside the strategy's own engine during the micro-step (DeepSpeed), so
+    # the loop cannot hold a step back (train.nonfinite=skip) or undo it
+    steps_in_engine: ClassVar[bool] = False
 
     def __init__(self, topology: Topology, env: ClusterEnv, device: torch.device, cfg: ParallelConfig, *,
                  micro_batch: int = 1, grad_accum: int = 1, precision: str = "fp32", compile: bool = False,

@@ -141,6 +141,7 @@ class DeepSpeed(Strategy):
     and hpctrain's torch optimizer; the lr schedule is handed to the engine, which steps it."""
 
     name = "deepspeed"
+    steps_in_engine = True
 
     @classmethod
     def checkpoint_format(cls, cfg: ParallelConfig) -> str:
