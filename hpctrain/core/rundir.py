@@ -23,11 +23,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from hpctrain.config import safe_yaml
 from hpctrain.core.atomic import fsync_dir, write_json
 from hpctrain.core.errors import UserError, agree, describe, io_error, io_message
 from hpctrain.core.protocol import STATUS
 from hpctrain.core.safe_open import UnsafeFileError, read_head
+from hpctrain.core.safe_yaml import safe_yaml
 
 if TYPE_CHECKING:
     from hpctrain.core.run_lock import RunDirLock
