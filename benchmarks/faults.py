@@ -91,6 +91,44 @@ those of the tests named, imported from them):
   step (tests/launch/test_first_cause.py): exit 1, the survivor's error "rank N ended with signal 9
   (SIGKILL), so this rank failed too", the launcher's "... first", status.json's error the same;
   no "internal error"; the checkpoints committed before intact.
+
+Issue 42's new surfaces, against tests/s3_server.py's moto server where a store is needed (one
+server for the suite, a bucket per trial, ``HPCTRAIN_CACHE`` inside the trial). Every command:
+an expected exit code, at most one error line, no "internal error", no traceback, within its
+time-out; the test secret access key in no output and no file of the trial (else data lost):
+
+* ``s3_keys`` [24]: by turns (1) a URL with ``..``, ``//``, a space, ``?`` or a control character
+  through ``data verify``, ``ckpt list``, ``train data.path=`` or ``checkpoint.remote=``: exit 2;
+  (2) ``region=`` naming a host (``x@127.0.0.1:PORT/#`` ...) on a listening socket: exit 2 and no
+  connection reached it; (3) 1-3 stray keys with such segments under a prefix of good shards:
+  ``data verify`` and ``train`` exit 0 (the keys skipped and named).
+* ``s3_manifests`` [10]: ``HPCTRAIN_MAX_JSON_BYTES`` of 64 KiB; by turns a manifest past it, an
+  index past it without ``index_sha256``, a fuzzed manifest, a tar deleted between the listing
+  and its read (a wrapper deletes it when ``hpctrain.data.remote.mirror`` returns), a manifest
+  without shards: exit 1 or 2 naming the limit / the tar's URL (the fuzzed one: 0, 1 or 2), never
+  "0 of the 0 shards", no JSON past the limit in the cache.
+* ``tokenizer_folders`` [8]: ``data shard --tokenizer`` on an ``auto_map`` folder with "y" on
+  stdin (exit 2 naming auto_map, its code never run, no ``[y/N]`` prompt), a FIFO or /dev/zero as
+  tokenizer.json, a FIFO tokenizer.model, ids 3,000,000,000 and 2^31-1 (exit 2, or 0 with a
+  vocab_size above the id), a backtracking ``(a+)+$`` pre-tokenizer, a jsonl record that is no
+  UTF-8 (naming the file); 60 s each.
+* ``mix_fuzz`` [60]: a random ``data.mix`` of 1 to 3,000 sources (weights good, 0, tiny, 1e308,
+  +-inf, nan, negative, a 401-digit integer, true, a string, null, a list) through ``config
+  show``: exit 0 exactly when the weights make a mixture (at most 1024 sources, finite, >= 0, a
+  finite sum > 0, each positive one >= 1e-6 of it), else 2 (naming the count past 1024); every 4th
+  good one of <= 8 sources trains 2 steps, its summary counting 16 samples over every source.
+* ``remote_ckpt`` [6]: run A uploads steps 4 and 8; then, by turns, a crafted newer checkpoint
+  (named 99 with a manifest of 8; files ``x`` and ``x/y``; a 300-character file name; a rank file
+  with a ``__reduce__`` payload and right hashes; stray ``..``/``//`` keys beside an intact newer
+  one): ``resume=auto`` in a new run dir exit 0 from step 8 (or the intact newer one), the payload
+  never run, ``ckpt list`` 0/1, ``ckpt verify`` of it 1/2 (the payload's: any); or two runs: B on A's prefix while A is
+  SIGSTOPped: exit 2 "is in use by run", the tier's keys unchanged, A then ends 0 with step 128 up.
+* ``estimator_inputs`` [58]: ``estimate --hf-config`` on the intact llama-2-7b config.json (exit
+  0) and on crafted ones (10^30, 5,000 digits, 200,000 deep, 1e12 experts, NaN, negative heads,
+  wrong types, a FIFO, /dev/zero, a 4 GiB sparse file, not UTF-8, an array) and ``estimate``/``plan``
+  flags beyond physical sense (``--params 1e400``/``nan``, 10^12 GPUs, ``-n 1e9 --nodes 1e9``, ``data.batch_size=1e11``,
+  ``model.n_layers=1e9 model.hidden=1e9``, ``--gpu-memory-gb nan``): exit 0 printing no nan/inf,
+  or 2, within 30 s.
 """
 
 from __future__ import annotations
@@ -241,13 +279,14 @@ def kill_tree(pid: int) -> None:
 
 
 def start(trial: Trial, argv: list[str], log: Path, prefix: list[str] | None = None,
-          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+          env: dict[str, str] | None = None, stdin: Path | None = None) -> subprocess.Popen[bytes]:
     """``python -m hpctrain ARGV`` (or ``PREFIX ARGV``) from the repository root, output to ``log``
-    (a file, not a pipe: nobody reads while it runs); ``env`` on top of the test environment."""
+    (a file, not a pipe: nobody reads while it runs); ``env`` on top of the test environment;
+    ``stdin``: a file to read (else none: a prompt gets end-of-file, never the suite's terminal)."""
     cmd = prefix + argv if prefix else [sys.executable, "-m", "hpctrain", *argv]
-    with open(log, "wb") as out:
+    with open(log, "wb") as out, open(stdin or os.devnull, "rb") as given:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(**(env or {})), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                stdin=given, start_new_session=True)
     trial.procs.append(proc)
     return proc
 
@@ -267,8 +306,9 @@ def finish(trial: Trial, proc: subprocess.Popen[bytes], log: Path,
 
 
 def run(trial: Trial, argv: list[str], log: Path, prefix: list[str] | None = None,
-        env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT) -> tuple[int | None, str]:
-    return finish(trial, start(trial, argv, log, prefix, env), log, timeout)
+        env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT,
+        stdin: Path | None = None) -> tuple[int | None, str]:
+    return finish(trial, start(trial, argv, log, prefix, env, stdin), log, timeout)
 
 
 def wait_until(ready: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float = RUN_TIMEOUT,
@@ -1069,6 +1109,473 @@ def killed_rank(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> N
     trial.notes.append(f"rank {killed} killed after step {at}: exit {code}")
 
 
+# ---------------------------------------------------------------- issue 42's surfaces
+
+
+S3_TIMEOUT = 120  # s for one command against the local moto server
+QUICK_TIMEOUT = 30  # s for a command that must answer from its inputs alone (estimate, plan, config show)
+JSON_LIMIT_TEST = 64 << 10  # HPCTRAIN_MAX_JSON_BYTES of the manifest probes: "huge" without uploading 1 GiB
+BAD_SEGMENTS = ["..", "x//y", " ", "a b", "x?y", "c\x01d", "\x7f", "t\tu"]  # "x//y": an empty segment inside
+
+
+def _s3_env(ctx: Context, work: Path, **extra: str) -> dict[str, str]:
+    """The moto server's credentials and endpoint, a cache of the trial's own (nothing outside it)."""
+    return {**ctx.s3().env, "HPCTRAIN_CACHE": str(work / "cache"), **extra}
+
+
+def _bucket(ctx: Context, work: Path) -> str:
+    """A bucket of this trial's own (``f42-<probe>-<trial>``)."""
+    name = re.sub(r"[^a-z0-9-]", "-", f"f42-{work.parent.name}-{ctx.index}")[:63]
+    ctx.s3().bucket(name)
+    return name
+
+
+def _upload(ctx: Context, bucket: str, prefix: str, local: Path, change: dict[str, bytes | None] | None = None) -> str:
+    """``local``'s files under ``s3://bucket/prefix`` (``change``: name -> other bytes, None: left out)."""
+    client, change = ctx.s3().client(), change or {}
+    for f in sorted(p for p in local.rglob("*") if p.is_file()):
+        name = f.relative_to(local).as_posix()
+        body = change.get(name, f.read_bytes())
+        if body is not None:
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=body)
+    return f"s3://{bucket}/{prefix}"
+
+
+def answered(trial: Trial, code: int | None, out: str, case: str, codes: tuple[int, ...] = (0, 1, 2),
+             says: str | None = None) -> bool:
+    """Issue 42's promise for one command: an expected exit code, at most one error line, never an
+    internal error, never the test secret; ``says``: a text the output must hold."""
+    from tests.s3_server import SECRET_KEY
+
+    errors = [line for line in out.splitlines() if ": error: " in line]
+    ok = trial.expect(code in codes, f"{case}: exit {code}, not {'/'.join(map(str, codes))}: {error_line(out)}")
+    ok &= trial.expect(len(errors) <= 1 and "internal error" not in out, f"{case}: {len(errors)} error lines, "
+                                                                         f"{error_line(out)}")
+    if SECRET_KEY in out:
+        trial.lost.append(f"{case}: the secret access key was printed")
+    if says is not None:
+        ok &= trial.expect(says in out, f"{case}: the output does not say {says!r}: {error_line(out)}")
+    return ok
+
+
+def no_secret_in(trial: Trial, root: Path) -> None:
+    """No file under ``root`` (run dirs, caches, logs) holds the test secret."""
+    from tests.s3_server import SECRET_KEY
+
+    for f in (p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
+        with contextlib.suppress(OSError):
+            if SECRET_KEY.encode() in f.read_bytes():
+                trial.lost.append(f"the secret access key is in {f}")
+
+
+def _bad_key(rng: random.Random) -> str:
+    """A key of 1-4 segments, at least one of which no store can take."""
+    segments = [rng.choice(["data", "x", "p-1", "ok"]) for _ in range(rng.randint(1, 3))]
+    segments.insert(rng.randrange(len(segments) + 1), rng.choice(BAD_SEGMENTS))
+    return "/".join(segments)
+
+
+def s3_keys(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """URLs that name no object (``..``, empty segments, spaces, ``?``, control characters) through
+    every command that takes one: exit 2 in one line before any request; a region that names a host:
+    exit 2, no connection to it; stray keys with ``..`` or ``//`` under a prefix: skipped and named,
+    the command goes on (exit 0)."""
+    bucket, env = _bucket(ctx, work), _s3_env(ctx, work)
+    kind = ctx.index % 3
+    if kind == 0:
+        url = f"s3://{bucket}/{_bad_key(rng)}"
+        argv = rng.choice([["data", "verify", url], ["ckpt", "list", url],
+                           ["train", *SHARD_TRAIN, f"data.path={url}", f"run.dir={work / 'run'}"],
+                           ["train", *crafted.BASE, f"checkpoint.remote={url}", f"run.dir={work / 'run'}"]])
+        code, out = run(trial, argv, work / "url.log", env=env, timeout=S3_TIMEOUT)
+        answered(trial, code, out, f"{argv[:2]} {url!r}", (2,))
+        trial.notes.append(f"{url!r}: {error_line(out)}")
+    elif kind == 1:
+        import socket
+
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(8)
+            port = listener.getsockname()[1]
+            region = rng.choice([f"x@127.0.0.1:{port}/#", f"us-east-1.127.0.0.1:{port}", f"x@127.0.0.1:{port}?",
+                                 f"a/../127.0.0.1:{port}", f"US East {port}"])
+            url = _upload(ctx, bucket, "data", ctx.shards())
+            argv = rng.choice([["data", "verify", url, "--storage-option", f"region={region}"],
+                               ["train", *SHARD_TRAIN, f"data.path={url}", f"run.dir={work / 'run'}",
+                                f'data.storage_options={{region: "{region}"}}']])
+            code, out = run(trial, argv, work / "region.log", env=env, timeout=S3_TIMEOUT)
+            answered(trial, code, out, f"region={region!r}", (2,))
+            listener.setblocking(False)
+            try:  # a connect completes in the kernel's backlog whether or not it is accepted
+                listener.accept()[0].close()
+                trial.lost.append(f"region={region!r}: a request reached 127.0.0.1:{port}")
+            except BlockingIOError:
+                pass
+    else:
+        url = _upload(ctx, bucket, "stray", ctx.shards())
+        strays = [f"stray/{_bad_key(rng)}/x" for _ in range(rng.randint(1, 3))]
+        for key in strays:
+            with contextlib.suppress(Exception):  # a key the server itself refuses is no stray
+                ctx.s3().client().put_object(Bucket=bucket, Key=key, Body=b"stray")
+        for name, argv in (("verify", ["data", "verify", url]),
+                           ("train", ["train", *SHARD_TRAIN, f"data.path={url}", f"run.dir={work / 'run'}"])):
+            code, out = run(trial, argv, work / f"stray-{name}.log", env=env, timeout=S3_TIMEOUT)
+            answered(trial, code, out, f"{name} with stray keys {strays!r}", (0,))
+    no_secret_in(trial, work)
+
+
+GONE = """import os, runpy, sys
+import boto3
+from hpctrain.data import remote
+bucket, key, real = sys.argv[1], sys.argv[2], remote.mirror
+def mirror(*args, **kwargs):
+    root = real(*args, **kwargs)
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).delete_object(Bucket=bucket, Key=key)
+    return root
+remote.mirror = mirror
+sys.argv = ["hpctrain", *sys.argv[3:]]
+runpy.run_module("hpctrain", run_name="__main__", alter_sys=True)
+"""
+
+
+def s3_manifests(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """Shard manifests and indexes on the store beyond HPCTRAIN_MAX_JSON_BYTES (64 KiB here), with and
+    without ``index_sha256``, fuzzed, or without shards; a tar deleted between the listing and its
+    read: exit 1 or 2 in one line naming the place or the limit, nothing past the limit cached."""
+    bucket, local = _bucket(ctx, work), ctx.shards()
+    env = _s3_env(ctx, work, HPCTRAIN_MAX_JSON_BYTES=str(JSON_LIMIT_TEST))
+    manifest = json.loads(manifest_path(local, "train").read_text())
+    kind = ("manifest", "index", "fuzzed", "gone", "empty")[ctx.index % 5]
+    pad = b" " * (JSON_LIMIT_TEST + rng.randrange(1, 1 << 20))
+    says: str | None = "HPCTRAIN_MAX_JSON_BYTES" if kind in ("manifest", "index") else None
+    change: dict[str, bytes | None] = {}
+    if kind == "manifest":
+        change["train.manifest.json"] = json.dumps(manifest).encode() + pad
+    elif kind == "index":
+        for shard in manifest["shards"]:
+            shard.pop("index_sha256", None)
+        change["train.manifest.json"] = json.dumps(manifest).encode()
+        change["train-000001.idx.json"] = (local / "train-000001.idx.json").read_bytes() + pad
+    elif kind == "fuzzed":
+        change["train.manifest.json"] = shard_fuzz_tests._mutate_json(manifest, rng)
+    elif kind == "empty":
+        change["train.manifest.json"] = json.dumps({**manifest, "shards": []}).encode()
+    url = _upload(ctx, bucket, kind, local, change)
+    train = ["train", *SHARD_TRAIN, f"data.path={url}", f"run.dir={work / 'run'}"]
+    if kind == "gone":
+        prefix = [sys.executable, "-c", GONE, bucket, f"{kind}/train-000001.tar"]
+        whole = ["train", *FUZZ_TRAIN, "data.num_workers=0", f"data.path={url}", f"run.dir={work / 'run'}"]  # every tar
+        code, out = run(trial, whole, work / "gone.log", prefix=prefix, env=env, timeout=S3_TIMEOUT)
+        answered(trial, code, out, "a tar deleted after the listing", (1,), f"{url}/train-000001.tar")
+    else:
+        for name, argv in (("verify", ["data", "verify", url]), ("train", train)):
+            code, out = run(trial, argv, work / f"{name}.log", env=env, timeout=S3_TIMEOUT)
+            answered(trial, code, out, f"{kind}, {name}", (0, 1, 2) if kind == "fuzzed" else (1, 2), says)
+            if kind == "empty":
+                trial.expect("0 of the 0 shards" not in out, f"empty, {name}: {error_line(out)}")
+    cached = [p for p in (work / "cache").rglob("*") if p.is_file() and p.stat().st_size > JSON_LIMIT_TEST
+              and p.name.endswith(".json")]
+    trial.expect(not cached, f"{kind}: files past the limit cached: {[p.name for p in cached]}")
+    no_secret_in(trial, work)
+    trial.notes.append(f"{kind}: codes {trial.codes}")
+
+
+def _token_folder(kind: str, root: Path, marker: Path) -> Path:
+    """A tokenizer folder of ``kind``; ``marker`` is what running its code would create."""
+    root.mkdir(parents=True)
+    word_level: dict[str, Any] = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "the": 1, "dog": 2}, "unk_token": "[UNK]"}}
+    if kind == "auto_map":
+        (root / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}}))
+        (root / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    elif kind == "fifo":
+        os.mkfifo(root / "tokenizer.json")
+    elif kind == "dev_zero":
+        (root / "tokenizer.json").symlink_to("/dev/zero")
+    elif kind == "sentencepiece_fifo":
+        os.mkfifo(root / "tokenizer.model")
+        (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    elif kind in ("ids_3e9", "ids_2e31"):
+        top = 3_000_000_000 if kind == "ids_3e9" else 2**31 - 1
+        word_level["model"] = {"type": "WordLevel", "vocab": {"[UNK]": 0, "the": top, "dog": 300}, "unk_token": "[UNK]"}
+        (root / "tokenizer.json").write_text(json.dumps(word_level))
+    elif kind == "backtracking":
+        word_level["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated",
+                                       "invert": False}
+        (root / "tokenizer.json").write_text(json.dumps(word_level))
+    return root
+
+
+TOKENIZER_KINDS = ("auto_map", "fifo", "dev_zero", "sentencepiece_fifo", "ids_3e9", "ids_2e31", "backtracking",
+                   "non_utf8")
+
+
+def tokenizer_folders(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """``data shard --tokenizer`` on crafted folders (an ``auto_map`` with "y" on stdin, a FIFO or
+    /dev/zero as its file, ids above 255, a backtracking pre-tokenizer) and a jsonl record that is no
+    UTF-8: exit 0 with the right tokens, or 1/2 in one line within the time-out; no code run."""
+    kind, marker = TOKENIZER_KINDS[ctx.index % len(TOKENIZER_KINDS)], work / "RAN"
+    corpus = work / "corpus"
+    corpus.mkdir()
+    text = "the dog " * rng.randint(4, 40) + ("a" * 5000 + "!" if kind == "backtracking" else "")
+    (corpus / "d0.txt").write_text(text)
+    if kind == "non_utf8":
+        noise = rng.randbytes(8).hex().encode()
+        (corpus / "train.jsonl").write_bytes(b'{"text": "the dog"}\n{"text": "caf\xe9 ' + noise + b'\xff"}\n')
+        argv = ["data", "shard", f"jsonl:{corpus / 'train.jsonl'}", str(work / "out"), "--split", "train", "--seq-len",
+                "8", "--quiet"]
+    else:
+        folder = _token_folder(kind, work / "tok", marker)
+        argv = ["data", "shard", f"text:{corpus}", str(work / "out"), "--split", "train", "--seq-len", "8",
+                "--packing", "documents", "--tokenizer", str(folder), "--quiet"]
+    (work / "stdin").write_bytes(b"y\ny\n")
+    code, out = run(trial, argv, work / "shard.log", timeout=60, stdin=work / "stdin")
+    says = {"auto_map": "auto_map", "non_utf8": "train.jsonl"}.get(kind)
+    answered(trial, code, out, kind, (2,) if kind == "auto_map" else (0, 1, 2), says)
+    if marker.exists():
+        trial.lost.append(f"{kind}: the tokenizer folder's code ran")
+    trial.expect("[y/N]" not in out, f"{kind}: asked on stdin whether to run the folder's code")
+    manifest = work / "out" / "train.manifest.json"
+    if code == 0 and kind.startswith("ids_") and manifest.is_file():
+        vocab = json.loads(manifest.read_text()).get("vocab_size", 0)
+        top = 3_000_000_000 if kind == "ids_3e9" else 2**31 - 1
+        trial.expect(vocab > top, f"{kind}: shards written with vocab_size {vocab}: ids up to {top} would wrap")
+    trial.notes.append(f"{kind}: exit {code}: {error_line(out)}")
+
+
+MIX_WEIGHTS = ["1", "3", "0.5", "0", "-1", "1.0e-7", "1.0e+308", ".inf", "-.inf", ".nan", "1" + "0" * 400, "true",
+               '"x"', "5.0e-324", "1.0e+200", "null", "[1]"]
+
+
+def _mix_case(rng: random.Random) -> tuple[list[str], int]:
+    """Random weights of a random count of sources, and the exit code ``config show`` must give."""
+    count = rng.choice([1, 2, 3, 5, 8, 64, 1024, 1025, 3000])
+    pick = rng.random()
+    if pick < 0.5:  # mostly good ones: the right answer is exit 0
+        weights = [f"{rng.uniform(0.01, 10):.4f}" for _ in range(count)]
+    else:
+        weights = [rng.choice(MIX_WEIGHTS) if rng.random() < 0.3 else f"{rng.uniform(0, 10):.3f}" for _ in range(count)]
+    values: list[Any] = []
+    for w in weights:
+        try:
+            v = json.loads(w.replace(".inf", "Infinity").replace(".nan", "NaN"))
+        except ValueError:
+            v = "x"
+        values.append(v)
+    good = count <= 1024 and all(type(v) in (int, float) and abs(v) < 2**1000 and v == v and 0 <= v < float("inf")
+                                 for v in values)
+    total = sum(float(v) for v in values) if good else 0.0
+    good = good and 0 < total < float("inf") and all(v == 0 or v >= 1e-6 * total for v in values)
+    return weights, 0 if good else 2
+
+
+def mix_fuzz(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """A random data.mix (1 to 3,000 sources; weights good, zero, tiny, huge, inf, nan, negative,
+    past a float, of the wrong type) through ``config show``: exit 0 exactly when it is a mixture,
+    else 2 in one line; every 4th good one of at most 8 sources trains 2 steps with the counts right."""
+    weights, want = _mix_case(rng)
+    entries = [f"  - {{name: synthetic_tiny, weight: {w}, label: s{i}}}" for i, w in enumerate(weights)]
+    config = work / "mix.yaml"
+    config.write_text("model:\n  name: tests.user_models:tiny_mlp\ndata:\n  mix:\n" + "\n".join(entries) + "\n")
+    case = f"{len(weights)} sources, weights {sorted(set(weights))[:6]}"
+    code, out = run(trial, ["config", "show", str(config)], work / "show.log", timeout=QUICK_TIMEOUT)
+    answered(trial, code, out, case, (want,), f"data.mix has {len(weights)} sources" if len(weights) > 1024 else None)
+    if want == 0 and len(weights) <= 8 and ctx.index % 4 == 0:
+        run_dir = work / "run"
+        code, out = run(trial, ["train", str(config), "data.synthetic_size=64", "data.max_val_samples=8",
+                                "data.batch_size=8", "train.max_steps=2", "train.progress=false", "train.threads=1",
+                                "checkpoint.enabled=false", f"run.dir={run_dir}"], work / "train.log")
+        if answered(trial, code, out, f"train {case}", (0,)):
+            mix = json.loads((run_dir / "summary.json").read_text())["mix"]
+            trial.expect(sum(r["samples"] for r in mix.values()) == 16 and len(mix) == len(weights),
+                         f"train {case}: summary mix {mix}")
+    trial.notes.append(f"{case}: exit {code}")
+
+
+def _put_checkpoint(ctx: Context, bucket: str, prefix: str, name: str, files: dict[str, bytes],
+                    manifest: dict[str, Any]) -> None:
+    """A (maybe crafted) checkpoint uploaded as an upload would: files, then the manifest with their hashes."""
+    from hpctrain.checkpoint import checksum
+
+    client, algorithm = ctx.s3().client(), checksum.resolve(checksum.DEFAULT)
+    for file, data in files.items():
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{name}/{file}", Body=data)
+    body = {**manifest, "files": {f: checksum.hash_bytes(d, algorithm) for f, d in files.items()}}
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{name}/{layout.MANIFEST}", Body=json.dumps(body).encode())
+
+
+class _Payload:
+    """Pickles as a call that creates ``marker``: a crafted rank file's right-hashed payload."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+REMOTE_KINDS = ("misnamed", "file_and_folder", "long_name", "payload", "stray_keys", "two_runs")
+
+
+def remote_ckpt(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """A tier with steps 4 and 8 of run A and a crafted newer one (named 99 with a manifest of 8,
+    files ``x`` and ``x/y``, a 300-character name, a right-hashed ``__reduce__`` payload, keys with
+    ``..``/``//``): a new run dir resumes from step 8 (exit 0), nothing run; ``ckpt list``/``verify``
+    in one line each. ``two_runs``: B on A's prefix while A runs: exit 2 naming A, A's uploads whole."""
+    bucket, env, kind = _bucket(ctx, work), _s3_env(ctx, work), REMOTE_KINDS[ctx.index % len(REMOTE_KINDS)]
+    url = f"s3://{bucket}/tier"
+    if kind == "two_runs":
+        remote_two_runs(trial, rng, work, ctx, url, env)
+        return
+    code, out = run(trial, ["train", *crafted.BASE, f"run.dir={work / 'a'}", f"checkpoint.remote={url}"],
+                    work / "a.log", env=env, timeout=S3_TIMEOUT)
+    if not answered(trial, code, out, "run A", (0,)):
+        return
+    eight = work / "a" / "checkpoints" / layout.step_name(8)
+    files = {f.relative_to(eight).as_posix(): f.read_bytes() for f in sorted(eight.rglob("*"))
+             if f.is_file() and f.name != layout.MANIFEST}
+    info = {k: v for k, v in layout.read_manifest(eight).items() if k != "files"}
+    marker = work / "PWNED"
+    if kind == "misnamed":
+        name, content, manifest = "step-000000099", files, info
+    elif kind == "file_and_folder":
+        name, content, manifest = "step-000000010", {**files, "x": b"1", "x/y": b"2"}, {**info, "step": 10}
+    elif kind == "long_name":
+        name, content, manifest = "step-000000011", {**files, "a" * rng.randint(256, 400): b"1"}, {**info, "step": 11}
+    elif kind == "payload":
+        import io
+
+        import torch
+
+        from hpctrain.checkpoint.state import rank_file
+
+        buf = io.BytesIO()
+        torch.save(_Payload(marker), buf)
+        name, content, manifest = "step-000000012", {**files, rank_file(0): buf.getvalue()}, {**info, "step": 12}
+    else:
+        name = "step-000000013"
+        content, manifest = files, {**info, "step": 13}
+        for key in (f"tier/{name}/../x", f"tier/step-000000014//{layout.MANIFEST}", f"tier/{_bad_key(rng)}"):
+            with contextlib.suppress(Exception):
+                ctx.s3().client().put_object(Bucket=bucket, Key=key, Body=b"{}")
+    _put_checkpoint(ctx, bucket, "tier", name, content, manifest)
+    if kind == "stray_keys":  # the crafted one is intact: resume takes it
+        name = "step-000000013"
+    code, out = run(trial, ["train", *crafted.BASE, f"run.dir={work / 'b'}", f"checkpoint.remote={url}",
+                            "resume=auto"], work / "b.log", env=env, timeout=S3_TIMEOUT)
+    want = name if kind == "stray_keys" else layout.step_name(8)
+    answered(trial, code, out, f"{kind}: resume=auto in a new run dir", (0,), "resumed from")
+    trial.expect(want in " ".join(line for line in out.splitlines() if "resumed from" in line),
+                 f"{kind}: did not resume from {want}: {[x for x in out.splitlines() if 'resumed' in x][:1]}")
+    if marker.exists():
+        trial.lost.append(f"{kind}: the crafted checkpoint's payload ran")
+    code, out = run(trial, ["ckpt", "list", url], work / "list.log", env=env, timeout=S3_TIMEOUT)
+    answered(trial, code, out, f"{kind}: ckpt list", (0, 1))
+    if kind != "stray_keys":
+        code, out = run(trial, ["ckpt", "verify", f"{url}/{name}"], work / "verify.log", env=env, timeout=S3_TIMEOUT)
+        # right hashes: verify may call the payload's files intact; resume is what must refuse to load them
+        answered(trial, code, out, f"{kind}: ckpt verify", (0, 1, 2) if kind == "payload" else (1, 2))
+    no_secret_in(trial, work)
+
+
+def remote_two_runs(trial: Trial, rng: random.Random, work: Path, ctx: Context, url: str,
+                    env: dict[str, str]) -> None:
+    """Run A uploads to ``url``; B (another run dir) starts on it while A is stopped: exit 2 naming
+    A's run, nothing of the tier changed; A goes on and ends with its checkpoints on the tier."""
+    from hpctrain.checkpoint import remote as ckpt_remote
+
+    a_dir = work / "a"
+    args = [*SLOW_RUN_ARGS, "checkpoint.every_steps=8", f"checkpoint.remote={url}"]
+    first = start(trial, hpctrain(1, *args, f"run.dir={a_dir}"), work / "a.log", env=env)
+    at = rng.randint(10, 60)
+    if not trial.expect(wait_until(lambda: preempt._last_step(a_dir) >= at, first), f"never reached step {at}"):
+        finish(trial, first, work / "a.log")
+        return
+    os.killpg(first.pid, signal.SIGSTOP)
+    try:
+        bucket = url.split("/")[2]
+        before = ctx.s3().keys(bucket)
+        code, out = run(trial, hpctrain(1, *args, f"run.dir={work / 'b'}", "resume=auto"), work / "b.log", env=env,
+                        timeout=S3_TIMEOUT)
+        answered(trial, code, out, "run B on A's prefix", (2,), "is in use by run")
+        if ctx.s3().keys(bucket) != before:
+            trial.lost.append("run B changed the tier A owns")
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    code, out = finish(trial, first, work / "a.log", timeout=S3_TIMEOUT * 2)
+    answered(trial, code, out, "run A after B", (0,))
+    with contextlib.suppress(Exception):
+        steps = [s for s, _ in ckpt_remote.committed(ckpt_remote.open_store(url))]
+        trial.expect(bool(steps) and max(steps) == 128, f"A's tier holds steps {steps}, not up to 128")
+
+
+ESTIMATE_FILES: dict[str, Callable[[Path, random.Random], object]] = {  # case -> writes config.json
+    "intact": lambda p, r: p.write_text(json.dumps(_hf_base())),  # the right answer: exit 0
+    "huge_int": lambda p, r: p.write_text(json.dumps({**_hf_base(), "hidden_size": 10**30})),
+    "digits_5000": lambda p, r: p.write_text(json.dumps(_hf_base())[:-1] + ', "num_hidden_layers": ' + "9" * 5000
+                                             + "}"),
+    "deep": lambda p, r: p.write_text("[" * 200_000 + "]" * 200_000),
+    "experts_1e12": lambda p, r: p.write_text(json.dumps({**_hf_base(), "model_type": "mixtral",
+                                                          "num_local_experts": 1e12, "num_experts_per_tok": 2})),
+    "nan": lambda p, r: p.write_text(json.dumps(_hf_base())[:-1] + ', "intermediate_size": NaN}'),
+    "negative": lambda p, r: p.write_text(json.dumps({**_hf_base(), "num_attention_heads": -r.randint(1, 64)})),
+    "types": lambda p, r: p.write_text(json.dumps({**_hf_base(), "vocab_size": r.choice(["x", [1], {}, True, None])})),
+    "fifo": lambda p, r: os.mkfifo(p),
+    "dev_zero": lambda p, r: p.symlink_to("/dev/zero"),
+    "sparse_4g": lambda p, r: _sparse(p, 4 << 30),
+    "not_utf8": lambda p, r: p.write_bytes(b'{"model_type": "llama\xff"}'),
+    "array": lambda p, r: p.write_text("[1, 2, 3]"),
+}
+
+
+def _sparse(path: Path, size: int) -> None:
+    with open(path, "wb") as fh:
+        fh.truncate(size)  # no block written: 4 GiB that cost nothing
+
+
+def _hf_base() -> dict[str, Any]:
+    base: dict[str, Any] = json.loads((ROOT / "tests" / "estimate" / "hf_configs" / "llama-2-7b.json").read_text())
+    return base
+
+
+ESTIMATE_FLAGS = [
+    ["estimate", "--params", "1e400"], ["estimate", "--params", "nan"], ["estimate", "--params=-7B"],
+    ["estimate", "--params", "7B", "--gpus", "1000000000000"], ["estimate", "--params", "7B", "--gpu-memory-gb", "nan"],
+    ["estimate", "--model", "gpt", "--seq-len", "1000000000000"], ["estimate", "--params", "7B", "--tokens", "inf"],
+    ["estimate", "--params", "7B", "--micro-batch", "100000000000"],
+    ["estimate", "--model", "gpt", "--layers", "1" + "0" * 30],
+    ["estimate", "--params", "7B", "--mtbf-hours", "0"], ["estimate", "--params", "7B", "--mfu", "nan"],
+    ["plan", "--gpu", "h100-sxm", "-n", "1000000000", "--nodes", "1000000000", "model.name=gpt"],
+    ["plan", "--gpu", "h100-sxm", "model.name=gpt", "data.batch_size=100000000000"],
+    ["plan", "--gpu", "h100-sxm", "model.name=gpt", "model.n_layers=1000000000", "model.hidden=1000000000"],
+    ["plan", "--gpu", "h100-sxm", "--gpu-memory-gb", "nan", "model.name=gpt"],
+    ["plan", "--gpu", "h100-sxm", "--gpu-memory-gb", "-1", "model.name=gpt"],
+]
+
+
+def estimator_inputs(trial: Trial, rng: random.Random, work: Path, ctx: Context) -> None:
+    """``hpctrain estimate --hf-config`` on crafted config.json files (10^30, 5,000 digits, 200,000
+    deep, 1e12 experts, NaN, wrong types, a FIFO, /dev/zero, a 4 GiB sparse file) and ``estimate`` /
+    ``plan`` with sizes beyond physical sense: exit 0 with finite numbers or 2 in one line, within
+    QUICK_TIMEOUT s. Odd trials: a flag case; even trials: a file case, its values mutated at random."""
+    if ctx.index % 2:
+        argv = ESTIMATE_FLAGS[(ctx.index // 2) % len(ESTIMATE_FLAGS)]
+        case = " ".join(argv)[:100]
+    else:
+        kind = list(ESTIMATE_FILES)[(ctx.index // 2) % len(ESTIMATE_FILES)]
+        path = work / "config.json"
+        ESTIMATE_FILES[kind](path, rng)
+        argv, case = ["estimate", "--hf-config", str(path), "--gpus", str(rng.choice([1, 8, 64]))], kind
+    code, out = run(trial, argv, work / "estimate.log", timeout=QUICK_TIMEOUT)
+    answered(trial, code, out, case, (0,) if case == "intact" else (0, 2))
+    if code == 0:
+        trial.expect(not re.search(r"\b(nan|inf)\b", out, re.IGNORECASE), f"{case}: exit 0 printing nan/inf")
+    trial.notes.append(f"{case}: exit {code}: {error_line(out)}")
+
+
 # ---------------------------------------------------------------- the suite
 
 
@@ -1081,6 +1588,26 @@ class Context:
     reference: References
     index: int = 0
     _bases: dict[str, Path] = field(default_factory=dict)
+    _s3: Any = None  # tests/s3_server.py's moto server, started by the first probe that needs it
+    _shards: Path | None = None
+
+    def s3(self) -> Any:
+        """The moto S3 server of issue 42's probes (one for the whole suite; each trial its own bucket)."""
+        if self._s3 is None:
+            from tests.s3_server import S3Server
+
+            self._s3 = S3Server().start()
+        return self._s3
+
+    def shards(self) -> Path:
+        """Train and val shards (test_fault_suite.py's) to upload, written once."""
+        if self._shards is None:
+            self._shards = make_fuzz_shards(self.work / "issue42-shards")
+        return self._shards
+
+    def close(self) -> None:
+        if self._s3 is not None:
+            self._s3.kill()
 
     def crafted_base(self, fmt: str = "torch") -> Path:
         """A finished run with checkpoints at steps 4 and 8 (test_crafted.py's BASE) in checkpoint.format
@@ -1116,10 +1643,17 @@ PROBES: dict[str, tuple[int, Probe | None]] = {
     "slurm_render": (1, slurm_render),
     "stalled_in_agreement": (4, stalled_in_agreement),
     "killed_rank": (2, killed_rank),
+    "s3_keys": (24, s3_keys),  # issue 42: bad URLs, regions naming a host, stray keys by turns
+    "s3_manifests": (10, s3_manifests),  # beyond the limit (manifest, index), fuzzed, a tar gone, no shards
+    "tokenizer_folders": (8, tokenizer_folders),  # one of each TOKENIZER_KINDS
+    "mix_fuzz": (60, mix_fuzz),
+    "remote_ckpt": (6, remote_ckpt),  # one of each REMOTE_KINDS
+    "estimator_inputs": (58, estimator_inputs),  # every file case (13) and flag case (16) twice
 }
 
 
-FUZZ_PROBES = {"config_fuzz", "shard_index_fuzz"}  # a trial per case: only the ones that went wrong are printed
+# a trial per case: only the ones that went wrong are printed
+FUZZ_PROBES = {"config_fuzz", "shard_index_fuzz", "s3_keys", "mix_fuzz", "estimator_inputs"}
 
 
 def run_probe(name: str, trials: int, seed: int, ctx: Context) -> Tally:
@@ -1201,9 +1735,12 @@ def main() -> int:
             print(f"mount of a tmpfs not permitted ({why}): disk full is injected ENOSPC at the checkpoint commit")
     ctx = Context(args.dir, disk, References(args.dir))
     began, tallies = time.monotonic(), {}
-    for name in names:
-        print(f"{name}: {counts[name]} trial(s)", flush=True)
-        tallies[name] = run_probe(name, counts[name], args.seed, ctx)
+    try:
+        for name in names:
+            print(f"{name}: {counts[name]} trial(s)", flush=True)
+            tallies[name] = run_probe(name, counts[name], args.seed, ctx)
+    finally:
+        ctx.close()
     print(table(tallies))
     total = time.monotonic() - began
     disk_line = f"; disk full by {disk}" if any(n.startswith("disk_full") for n in names) else ""

@@ -4,9 +4,7 @@ Lowest first (docs/architecture.md draws them):
 
 1. ``core``: ``hpctrain/core/`` (errors, config fields, environment, cache, run lock, safe
    unpickling, atomic writes, the run directory, the launcher <-> rank protocol, safe opens),
-   ``hpctrain/config/`` and ``hpctrain/_version.py``; ``hpctrain/errors.py`` and
-   ``hpctrain/env.py`` are aliases for users that no package module imports (likewise
-   ``hpctrain/evaluation/metrics.py``, now :mod:`hpctrain.tasks.metrics`).
+   ``hpctrain/config/`` and ``hpctrain/_version.py``.
 2. ``components``: ``models``, ``data``, ``precision``, ``optim``, ``tasks``, ``telemetry``,
    ``checkpoint``, ``weights``, ``evaluation``. They may import each other, but their packages
    form no cycle.
@@ -32,6 +30,7 @@ Each failure is one line: the file and line, the importer, the imported module a
 
 from __future__ import annotations
 
+import ast
 import io
 import re
 import tokenize
@@ -44,7 +43,6 @@ ORDER = ("core", "components", "parallel", "planning", "application")
 # module or package (and everything below it) -> layer; the longest name wins
 LAYERS = {
     "hpctrain.core": "core", "hpctrain.config": "core", "hpctrain._version": "core",
-    "hpctrain.errors": "core", "hpctrain.env": "core",
     "hpctrain.models": "components", "hpctrain.data": "components", "hpctrain.precision": "components",
     "hpctrain.optim": "components", "hpctrain.tasks": "components", "hpctrain.telemetry": "components",
     "hpctrain.checkpoint": "components", "hpctrain.weights": "components", "hpctrain.evaluation": "components",
@@ -54,7 +52,6 @@ LAYERS = {
     "hpctrain.__main__": "application",
 }
 PACKAGE_ROOT_LAYER = "application"  # hpctrain/__init__.py: the lazy public API names every layer
-ALIASES = ("hpctrain.errors", "hpctrain.env", "hpctrain.evaluation.metrics")  # for users' code only
 REASONS = re.compile(r"torch|login|optional|user code|user's code", re.IGNORECASE)
 
 
@@ -118,9 +115,27 @@ def component_cycles(edges: Iterable[Edge]) -> list[str]:
     return _unique(found)
 
 
-def alias_imports(edges: Iterable[Edge]) -> list[str]:
-    return _unique(_line(edge, "imports the users' alias") for edge in edges
-                   if edge.imported in ALIASES and edge.importer != "hpctrain")
+def _only_re_exports(tree: ast.Module) -> bool:
+    """A module whose body is its docstring, imports, ``__all__`` and ``sys.modules[...] = ...``:
+    an alias of another module's names."""
+    def plumbing(node: ast.stmt) -> bool:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            return True
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            return True  # the docstring
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            return all(isinstance(t, ast.Subscript) or (isinstance(t, ast.Name) and t.id == "__all__")
+                       for t in targets)
+        return False
+    return bool(tree.body) and all(plumbing(node) for node in tree.body)
+
+
+def alias_modules(root: Path) -> list[str]:
+    """Each module (not a package's ``__init__``) that only re-exports another's names."""
+    return sorted(f"{path}: only re-exports names defined elsewhere; hint: import them from where they live"
+                  for path in root.rglob("*.py")
+                  if path.name != "__init__.py" and _only_re_exports(ast.parse(path.read_text())))
 
 
 def _comments(path: Path) -> dict[int, str]:
@@ -175,8 +190,8 @@ def test_the_components_packages_form_no_cycle() -> None:
     assert not found, "\n".join(found)
 
 
-def test_package_code_never_imports_the_users_aliases() -> None:
-    found = alias_imports(all_edges())
+def test_no_module_is_an_alias_of_another() -> None:
+    found = alias_modules(ROOT / "hpctrain")
     assert not found, "\n".join(found)
 
 
@@ -199,9 +214,10 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 def test_the_checks_name_each_offence_on_one_line(tmp_path: Path) -> None:
     root = _package(tmp_path, {
         "core/__init__.py": "", "core/x.py": "def f():\n    from hpctrain.tasks import t  # keeps torch off\n",
-        "tasks/__init__.py": "", "tasks/t.py": "from hpctrain.evaluation import e\n",
+        "tasks/__init__.py": "", "tasks/t.py": "from hpctrain.evaluation import e\nX = e\n",
         "evaluation/__init__.py": "", "evaluation/e.py": "def g():\n    from hpctrain.tasks import t\n",
-        "newfolder/__init__.py": "", "core/y.py": "from hpctrain import env\n", "env.py": "",
+        "newfolder/__init__.py": "",
+        "core/y.py": '"""Moved."""\nimport sys\nfrom hpctrain.core import x\nsys.modules["y"] = x\n',
     })
     edges = all_edges(root)
     assert unplaced(module_names(root)) == [
@@ -213,8 +229,8 @@ def test_the_checks_name_each_offence_on_one_line(tmp_path: Path) -> None:
         "hpctrain.tasks) hpctrain.tasks.t (components)",
         f"{at}/tasks/t.py:1: hpctrain.tasks.t (components) imports (a package cycle: hpctrain.evaluation, "
         "hpctrain.tasks) hpctrain.evaluation.e (components)"]
-    assert alias_imports(edges) == [f"{at}/core/y.py:1: hpctrain.core.y (core) imports the users' alias hpctrain.env "
-                                    "(core)"]
+    assert alias_modules(root) == [f"{at}/core/y.py: only re-exports names defined elsewhere; hint: import them "
+                                   "from where they live"]
     assert unexplained_deferred(edges) == [
         f"{at}/evaluation/e.py:2: hpctrain.evaluation.e (components) defers, without a reason comment, its import "
         "of hpctrain.tasks.t (components)"]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from hpctrain.checkpoint import Checkpointer
 from hpctrain.config import Config, load_config, to_dict
 from hpctrain.core.env import ClusterEnv
-from hpctrain.data.memory import MemoryLoader
+from hpctrain.data.in_memory import MemoryLoader
 from hpctrain.models import build_model
 from hpctrain.parallel import unwrap
 from hpctrain.train import build_components, fit, load_data, seed_everything

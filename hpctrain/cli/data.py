@@ -209,7 +209,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--glob", help="text: which files of a directory or tar are documents (default *.txt)")
     p.add_argument("--val-fraction", type=float, default=None,
                    help=f"text: share of documents held out as val (default {VAL_FRACTION}; 0: all train, 1: all val; "
-                        "text:PATH --split S without it: all of PATH is S; train/ and val/ folders: kept)")
+                        "text:PATH --split S without it: all of PATH is S; train/ and val/ folders: kept; one "
+                        "document: the share of its tokens held out, its tail)")
     p.add_argument("--num-classes", type=int,
                    help="labelled sources: refuse labels outside [0, N) (default: N = the largest label + 1)")
     p.add_argument("--image-size", type=int, metavar="N",

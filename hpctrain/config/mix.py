@@ -6,6 +6,8 @@ Each entry is a mapping: ``name`` and/or ``path`` (any ``data.name`` / ``data.pa
 sum; 0: validated, never trained on), an optional ``label`` (how logs and metrics name the
 source), and any other ``data`` key for this source alone (``max_train_samples``, ``shuffle``,
 ``val_split``, ``stage_dir``, ...). The keys that shape the mixture's batches stay the run's.
+At most ``MAX_SOURCES`` (1024) entries; a weight is a finite number >= 0, their sum finite and
+> 0, and each positive weight at least ``MIN_SHARE`` (1e-6) of the sum.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ RUN_ONLY = ("mix", "batch_size", "global_batch_size", "eval_batch_size", "num_wo
             "pin_memory", "persistent_workers", "drop_last")
 ENTRY_ONLY = ("weight", "label")
 MIN_SHARE = 1e-6  # a positive weight below this share of the total would round to nothing
+# The shares are whole parts of 2^20 (hpctrain.data.mixture.QUANTUM), the largest source absorbing
+# the rounding (at most half a part per source): up to 1024 sources, equal ones get >= 1024 parts
+# each and rounding takes at most 512 from the largest, so no share can round to nothing or below.
+MAX_SOURCES = 1024
 HINT = "hint: data.mix='[{name: mnist, weight: 3}, {path: /data/web, weight: 1}]'"
 
 
@@ -52,9 +58,15 @@ def mix_entries(mix: list[dict[str, Any]], data_keys: list[str]) -> list[MixEntr
     """The checked entries of ``data.mix``; ``data_keys``: the ``data`` section's keys."""
     if not mix:
         raise ConfigError(f"data.mix is an empty list; give at least one source, or leave it unset; {HINT}")
+    if len(mix) > MAX_SOURCES:
+        raise ConfigError(f"data.mix has {len(mix)} sources; at most {MAX_SOURCES} are supported (each share is a "
+                          "whole part of 2^20); hint: combine small sources into one (their shards in one data.path)")
     allowed = sorted(set(data_keys) - set(RUN_ONLY)) + list(ENTRY_ONLY)
     entries = [_entry(i, raw, allowed) for i, raw in enumerate(mix)]
     total = sum(e.weight for e in entries)
+    if not math.isfinite(total):
+        raise ConfigError(f"data.mix: the weights sum to more than a float holds ({total:g}); hint: scale them "
+                          "down: only their ratios count")
     if total <= 0:
         raise ConfigError(f"data.mix: the weights sum to {total:g}; at least one must be > 0; {HINT}")
     for e in entries:
@@ -78,9 +90,13 @@ def _entry(index: int, raw: Any, allowed: list[str]) -> MixEntry:
     weight = raw.get("weight")
     if weight is None:
         raise ConfigError(f"{where} has no weight; hint: add weight: W (the share is W over the sum of the weights)")
+    if isinstance(weight, int) and not isinstance(weight, bool) and abs(weight) > 2**1000:
+        # past a float (math.isfinite would raise), and too long to print: its digits counted
+        raise ConfigError(f"{where}.weight (an integer of {math.floor(math.log10(abs(weight))) + 1} digits) is "
+                          "too large for a float; hint: scale the weights down: only their ratios count")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-        raise ConfigError(f"{where}.weight={weight!r} must be a number >= 0; hint: the share of a source is its "
-                          "weight over the sum of the weights")
+        raise ConfigError(f"{where}.weight={weight!r} must be a number >= 0 and finite; hint: the share of a source is "
+                          "its weight over the sum of the weights")
     options = {k: v for k, v in raw.items() if k not in ENTRY_ONLY}
     if not options.get("name"):
         options["name"] = "shards"  # a path alone: tar shards there

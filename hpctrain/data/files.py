@@ -1,5 +1,9 @@
 """Pack sources over the user's own files: ``imagefolder:PATH`` (a folder of images per class),
-``npz:PATH`` (arrays and labels), ``jsonl:PATH`` (one JSON record per line)."""
+``npz:PATH`` (arrays and labels), ``jsonl:PATH`` (one JSON record per line).
+
+A jsonl file is read through the bounded open a line at a time (:func:`jsonl_lines`): each line
+is UTF-8 and at most the document limit (:func:`~hpctrain.data.pack.document_limit`), else it is
+refused naming the file and the line."""
 
 from __future__ import annotations
 
@@ -8,21 +12,25 @@ import json
 import logging
 import zipfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from hpctrain.data.errors import ShardError
+from hpctrain.core.safe_open import NotRegularError, open_regular
+from hpctrain.data.errors import DataMissingError, ShardError
 from hpctrain.data.manifest import IMAGE_EXTS
 from hpctrain.data.pack import (
     DEFAULT_PACK,
     PackOptions,
     PackSource,
     Samples,
+    check_document_size,
     check_labels,
     cls_bytes,
+    document_limit,
     labelled_samples,
     npy_bytes,
     pillow,
@@ -163,13 +171,12 @@ def npz_source(path: str, split: str, options: PackOptions = DEFAULT_PACK) -> Pa
 
 def jsonl_source(path: str, split: str, options: PackOptions = DEFAULT_PACK) -> PackSource:
     """Source hook: one JSON object per line; ``label`` (if present) becomes ``.cls``, the record ``.json``."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
     records = []
-    for n, line in enumerate(lines, 1):
+    for n, line in jsonl_lines(path):
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ShardError(f"{path} line {n} is not JSON: {err}") from err
+        except (ValueError, RecursionError) as err:  # bad JSON, a 5000-digit number, deep nesting
+            raise ShardError(f"{path} line {n} is not JSON: {str(err)[:200]}") from None
     labels = [r.get("label") if isinstance(r, dict) else None for r in records]
     has_label = any(v is not None for v in labels)
     count = _jsonl_classes(path, labels, options.num_classes) if has_label else 0
@@ -183,6 +190,33 @@ def jsonl_source(path: str, split: str, options: PackOptions = DEFAULT_PACK) -> 
     meta = {"source": f"jsonl:{path}", "classes": classes,
             "decode": {"input": "json", "target": "cls" if has_label else None}}
     return PackSource(gen(), len(records), meta)
+
+
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each non-blank line of a jsonl file, read a line at a time through
+    the bounded open: a line longer than the document limit, or not UTF-8, is refused naming the
+    file and the line (never a UnicodeDecodeError, never a read of a whole huge line)."""
+    limit = document_limit()
+    try:
+        raw, _ = open_regular(path)
+    except NotRegularError as err:
+        raise ShardError(f"{path} is a {err.kind}, not a regular file; hint: jsonl:FILE names a file of JSON "
+                         "lines") from None
+    except FileNotFoundError:
+        raise DataMissingError(f"{path} does not exist; hint: jsonl:FILE names a file of JSON lines") from None
+    except OSError as err:
+        raise ShardError(f"{path} cannot be read: {err.strerror}") from None
+    with io.BufferedReader(raw) as fh:
+        for n, line in enumerate(iter(lambda: fh.readline(limit + 1), b""), 1):
+            if len(line) > limit and not line.endswith(b"\n"):
+                check_document_size(f"{path} line {n}", None)  # refuses: read no further than the limit
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ShardError(f"{path} line {n} is not UTF-8 text ({err.reason}, byte {err.start + 1} of the "
+                                 "line); hint: write the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            if text.strip():
+                yield n, text
 
 
 def _jsonl_classes(path: str, labels: list[Any], num_classes: int | None) -> int:

@@ -7,7 +7,11 @@
   never drift more than one sample from the weights), in an order shuffled by (seed, block).
   So the source of ``g``, and how many samples that source gave before it, are a function of
   (seed, g) alone, computed without replaying the run: resume is exact at any world size
-  (the loader's position is :mod:`~hpctrain.data.position`'s).
+  (the loader's position is :mod:`~hpctrain.data.position`'s). ``K`` is 1024, or ``2 * 2^20 /``
+  the smallest share in quanta (at most 2,097,152): one block held at a time, a few bytes a
+  position, so the memory is linear in the sources and the block, never their product.
+* **Bounds.** At most :data:`~hpctrain.config.mix.MAX_SOURCES` (1024) sources; weights finite,
+  >= 0, with a finite sum > 0 (``data.mix`` refuses others with exit 2).
 * **Sources.** Source ``s``'s ``j``-th sample is in its own epoch ``j // N_s``, at place
   ``j % N_s`` of its own :func:`~hpctrain.data.position.epoch_order` (a seed of its own): every
   source keeps its epoch counter and reshuffles when it wraps, whatever the others do.
@@ -19,6 +23,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hpctrain.config.mix import MAX_SOURCES
 from hpctrain.core.env import ClusterEnv
 from hpctrain.data.batch import Batch
 from hpctrain.data.loader import MapStyleLoader
@@ -72,18 +78,28 @@ def source_seed(seed: int, label: str) -> int:
 
 
 class Interleave:
-    """Which source each global mixture position takes, and how many samples that source gave before it."""
+    """Which source each global mixture position takes, and how many samples that source gave before it.
+
+    Memory is linear in the sources and in one block: a block's sources are small integers in a
+    seeded permutation, and each position's running index comes from one stable sort of them
+    (never a positions x sources matrix). The block's length and its permutation are what fix
+    the order, so they stay as they were: a saved position keeps its meaning."""
 
     def __init__(self, weights: Sequence[float], seed: int) -> None:
-        total = float(sum(weights))
+        total = check_weights(weights)
         shares = [int(round(w / total * QUANTUM)) for w in weights]
         shares = [max(s, 1) if w > 0 else 0 for s, w in zip(shares, weights)]
         shares[int(np.argmax(shares))] += QUANTUM - sum(shares)  # rounding: the largest source absorbs it
+        if min(s for s, w in zip(shares, weights) if w > 0) <= 0:  # cannot happen within MAX_SOURCES
+            raise ValueError(f"data.mix: {len(shares)} sources leave a source no share of {QUANTUM}; "
+                             "hint: fewer sources, or weights nearer each other")
         self.cuts = [0, *np.cumsum(shares).tolist()]  # Python ints: exact at any position
         self.seed, self.sources = seed, len(shares)
         smallest = min(s for s in shares if s > 0)
         # every source with a weight gets >= 1 position per block, so no block count is negative
         self.block = max(BLOCK, -(-2 * QUANTUM // smallest))
+        self._dtype = np.int16 if self.sources <= np.iinfo(np.int16).max else np.int32
+        self._cached: tuple[int, np.ndarray, np.ndarray] | None = None  # (block, its sources, running indexes)
 
     def before(self, n: int) -> np.ndarray:
         """Samples of each source among positions [0, n), n a block boundary."""
@@ -94,37 +110,69 @@ class Interleave:
         """The source of each position of block ``b``: each source's count, in a seeded order."""
         counts = self.before((b + 1) * self.block) - self.before(b * self.block)
         rng = np.random.Generator(np.random.PCG64([self.seed, MIX_TAG, b]))
-        return rng.permutation(np.repeat(np.arange(self.sources), counts))
+        # a permutation draws the same swaps whatever the item size: int16 keeps the order of int64
+        return rng.permutation(np.repeat(np.arange(self.sources, dtype=self._dtype), counts))
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Block ``b``'s sources and each position's count of earlier ones of its source (the last one kept:
+        a loader reads one block over and over)."""
+        if self._cached is None or self._cached[0] != b:
+            self._cached = None  # one block held at a time
+            block = self.block_sources(b)
+            firsts = np.zeros(self.sources, dtype=np.int32)  # a block holds at most 2 * QUANTUM positions
+            np.cumsum(np.bincount(block, minlength=self.sources)[:-1], out=firsts[1:])
+            seen = np.empty(len(block), dtype=np.int32)
+            # a stable sort lists each source's positions in position order: a position's place there,
+            # less where its source begins, is how many of its source came before it in the block
+            seen[np.argsort(block, kind="stable")] = np.arange(len(block), dtype=np.int32)
+            seen -= firsts[block]
+            self._cached = (b, block, seen)
+        return self._cached[1], self._cached[2]
 
     def take(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Positions [start, start + count): each one's source, and that source's running sample index."""
         src, run = [], []
         for b in range(start // self.block, -(-(start + count) // self.block)):
-            block = self.block_sources(b)
-            onehot = block[:, None] == np.arange(self.sources)[None, :]
-            seen = np.cumsum(onehot, axis=0)[np.arange(len(block)), block] - 1  # earlier ones of its source
+            block, seen = self._block(b)
             lo, hi = max(start - b * self.block, 0), min(start + count - b * self.block, self.block)
-            src.append(block[lo:hi])
-            run.append(self.before(b * self.block)[block[lo:hi]] + seen[lo:hi])
+            part = block[lo:hi].astype(np.int64)
+            src.append(part)
+            run.append(self.before(b * self.block)[part] + seen[lo:hi])
         if not src:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        return np.concatenate(src).astype(np.int64), np.concatenate(run).astype(np.int64)
+        return np.concatenate(src), np.concatenate(run).astype(np.int64)
 
     def counts_before(self, g: int) -> np.ndarray:
         """Samples of each source among positions [0, g)."""
         b = g // self.block
-        src, _ = self.take(b * self.block, g - b * self.block)
-        return self.before(b * self.block) + np.bincount(src, minlength=self.sources)
+        head = self._block(b)[0][: g - b * self.block] if g > b * self.block else np.zeros(0, dtype=self._dtype)
+        return self.before(b * self.block) + np.bincount(head, minlength=self.sources)
+
+
+def check_weights(weights: Sequence[float]) -> float:
+    """The weights' total; a ValueError naming ``data.mix`` for weights that make no shares (config/mix.py
+    refuses them first, with exit 2; this guards the part for a user's own loop)."""
+    if len(weights) > MAX_SOURCES:
+        raise ValueError(f"data.mix has {len(weights)} sources; at most {MAX_SOURCES} are supported")
+    for i, w in enumerate(weights):
+        if not math.isfinite(w) or w < 0:
+            raise ValueError(f"data.mix[{i}].weight={w:g} must be a number >= 0 and finite")
+    total = float(sum(weights))
+    if not math.isfinite(total):
+        raise ValueError(f"data.mix: the weights sum to more than a float holds ({total:g})")
+    if total <= 0:
+        raise ValueError(f"data.mix: the weights sum to {total:g}; at least one must be > 0")
+    return total
 
 
 def mixture_codes(interleave: Interleave, sources: Sequence[MixSource], start: int, count: int) -> np.ndarray:
     """The samples at global positions [start, start + count), as codes (source * STRIDE + id)."""
     src, run = interleave.take(start, count)
     codes = np.empty(len(src), dtype=np.int64)
-    for s, source in enumerate(sources):
-        at = np.nonzero(src == s)[0]
-        if not len(at):
-            continue
+    by_source = np.argsort(src, kind="stable")  # one sort, not a pass over the positions per source
+    bounds = np.searchsorted(src[by_source], np.arange(len(sources) + 1))
+    for s in np.nonzero(np.diff(bounds))[0].tolist():
+        source, at = sources[s], by_source[bounds[s] : bounds[s + 1]]
         epochs, places = np.divmod(run[at], source.num_samples)
         for epoch in np.unique(epochs):  # a source wraps: its next epoch, reshuffled
             pick = epochs == epoch

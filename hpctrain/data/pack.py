@@ -5,6 +5,7 @@ and the field encoders the sources share."""
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -13,10 +14,15 @@ from typing import Any
 import numpy as np
 
 from hpctrain.data.errors import MissingPackageError, ShardError
+from hpctrain.data.writer import parse_size  # the shard writer's size syntax, one parser
 
 Samples = Iterator[tuple[str, dict[str, bytes]]]
 DEFAULT_SEQ_LEN = 128  # text: tokens per sample
-VAL_FRACTION = 0.1  # text: the share of documents held out
+VAL_FRACTION = 0.1  # text: the share of documents held out (of one document: its tail's share of tokens)
+# One document (a text file, a tar member, a jsonl line) is read and tokenized at once: this bounds
+# the memory that takes (a tokenizer's encoding of 256 MiB is several GB); the variable raises it.
+MAX_DOCUMENT_BYTES = 256 << 20
+DOCUMENT_LIMIT_ENV = "HPCTRAIN_MAX_DOCUMENT_BYTES"
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,29 @@ class PackSource:
     samples: Samples
     size: int
     meta: dict[str, Any]
+
+
+def document_limit() -> int:
+    """The most bytes one document may hold: ``$HPCTRAIN_MAX_DOCUMENT_BYTES`` (``512MB``, ``1GB``,
+    bytes), else :data:`MAX_DOCUMENT_BYTES`."""
+    raw = os.environ.get(DOCUMENT_LIMIT_ENV, "").strip()
+    if not raw:
+        return MAX_DOCUMENT_BYTES
+    try:
+        return parse_size(raw)
+    except ShardError:
+        raise ShardError(f"{DOCUMENT_LIMIT_ENV}={raw!r} is not a size; examples: 512MB, 1GB, 300000000") from None
+
+
+def check_document_size(what: str, size: int | None) -> None:
+    """A document of ``size`` bytes (None: more than the limit, found while reading) within
+    :func:`document_limit`, else refused naming ``what``, the limit and how to raise it."""
+    limit = document_limit()
+    if size is None or size > limit:
+        holds = f"more than the {limit:,} bytes" if size is None else f"{size:,} bytes, more than the {limit:,}"
+        raise ShardError(f"{what} holds {holds} one document may hold (it is read and tokenized at once); hint: "
+                         f"split it into several documents (files, lines), or raise the limit: "
+                         f"{DOCUMENT_LIMIT_ENV}=1GB")
 
 
 def sample_key(split: str, i: int) -> str:

@@ -30,7 +30,7 @@ import torch
 from hpctrain.config.data import DataConfig
 from hpctrain.data.batch import INPUT_KEYS, ArrayDataset, as_model_input, map_inputs
 from hpctrain.data.errors import DataFormatError, MissingPackageError, ShardError
-from hpctrain.data.files import jsonl_source
+from hpctrain.data.files import jsonl_lines, jsonl_source
 from hpctrain.data.pack import DEFAULT_PACK, PackOptions, PackSource, check_labels, labelled_samples, npy_bytes
 from hpctrain.data.packed import table_documents_pack
 from hpctrain.data.user import UserData
@@ -75,11 +75,20 @@ def read_table(kind: str, file: Path) -> Any:
     pa_module = {"csv": "pyarrow.csv", "parquet": "pyarrow.parquet", "jsonl": "pyarrow.json"}[kind]
     reader = _optional(pa_module, "pyarrow", kind)
     read = {"csv": "read_csv", "parquet": "read_table", "jsonl": "read_json"}[kind]
+    # jsonl: every line checked first (UTF-8, the document limit; named by line, which pyarrow
+    # cannot: it reads bytes unchecked and skips blank lines), and blocks that hold the longest
+    options = {"read_options": reader.ReadOptions(block_size=_jsonl_block(file))} if kind == "jsonl" else {}
     try:
-        return getattr(reader, read)(str(file))
+        return getattr(reader, read)(str(file), **options)
     except Exception as err:  # noqa: BLE001 - pyarrow's many errors all mean the file is not a readable table
         raise DataFormatError(f"{file} cannot be read as {kind}: {type(err).__name__}: {err}; hint: check the "
                               "file type (csv:, parquet:, jsonl:, hf: read those formats)") from None
+
+
+def _jsonl_block(file: Path) -> int:
+    """pyarrow's JSON block size for ``file``: one that holds its longest line (a record straddling
+    two blocks is an error there), at least pyarrow's default 1 MiB."""
+    return max(1 << 20, max((len(line.encode()) for _, line in jsonl_lines(file)), default=0) + 1)
 
 
 def hf_splits(path: str) -> dict[str, Any]:

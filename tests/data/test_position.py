@@ -257,11 +257,3 @@ def test_resume_off_a_step_boundary_reads_the_rest_once():
         assert one.batches_done == EpochSplit(64, 4, 3, False).batches_before(24) == 2  # 6 batches, 4 left
         rest.update(k for k in keys(one) if k >= 0)
     assert rest == Counter(order[24:])
-
-
-def test_the_old_module_name_is_an_alias_for_one_release():
-    import hpctrain.data.in_memory as in_memory
-    import hpctrain.data.memory as memory
-
-    assert (memory.MemoryLoader, memory.EvalLoader, memory.rank_slice) == \
-        (in_memory.MemoryLoader, in_memory.EvalLoader, in_memory.rank_slice)
