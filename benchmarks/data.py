@@ -14,11 +14,19 @@ Reads the same 32x32 RGB images, as float batches of 64, from
                        + ``StreamingDataLoader``, PIL decode;
   * ``mds-png``        Mosaic ``streaming.MDSWriter`` shards holding the same PNG bytes (a ``bytes``
                        column), ``streaming.StreamingDataset`` (local, shuffled), PIL decode;
+  * ``shards-png-dali`` the same PNG shards through ``data.decoder=dali`` (DaliShardedLoader, DALI's CPU
+                       backend here; skipped where ``nvidia.dali`` does not import);
 with the page cache cold and warm, and with 0/1/2 DataLoader workers. Cold means
 every file was evicted with ``posix_fadvise(DONTNEED)`` first (``/proc/sys/vm/drop_caches``
 when writable); the kernel's dentry/inode caches stay warm either way, so the folder's
 metadata cost is, if anything, understated. Optionally (``--train-steps N``) it also trains
 the default MNIST job from shards and reports the trainer's data-wait share.
+
+``--decode-only`` measures the decoders alone on the same bytes, batch by batch (issue 41): pyspng,
+PIL and DALI's CPU pipeline (1 and 2 threads) decoding the same batches of 64 PNGs (and checking
+they give the same pixels), at each ``--decode-sizes`` side:
+
+    python benchmarks/data.py --decode-only --decode-sizes 32,224 --json bench-decode.json
 """
 
 from __future__ import annotations
@@ -186,6 +194,13 @@ def _pil_rgb(data: Any) -> np.ndarray:
         return np.asarray(img.convert("RGB"))
 
 
+def dali_batches(root: Path, workers: int) -> Iterable:
+    from hpctrain.data.dali import DaliShardedLoader
+
+    return DaliShardedLoader(root, ClusterEnv(), BATCH, drop_last=False, num_workers=workers, backend="cpu",
+                             prefetch_factor=4, persistent_workers=False)
+
+
 def litdata_batches(root: Path, workers: int) -> Iterable:
     from litdata import StreamingDataLoader
     from litdata import StreamingDataset as LitDataset
@@ -237,12 +252,14 @@ READERS: dict[str, tuple[str, Callable[[Path, int], Iterable]]] = {
     "shards-png": ("shards-png", shard_batches),
     "shards-png-pil": ("shards-png", shard_batches_pil),
     "shards-npy": ("shards-npy", shard_batches),
+    "shards-png-dali": ("shards-png", dali_batches),
     "wds-png": ("shards-png", wds_batches),
     "litdata-png": ("litdata-png", litdata_batches),
     "mds-png": ("mds-png", mds_batches),
 }
 OTHERS = ("wds-png", "litdata-png", "mds-png")
-PEER_MODULES = {"wds-png": "webdataset", "litdata-png": "litdata", "mds-png": "streaming"}
+PEER_MODULES = {"wds-png": "webdataset", "litdata-png": "litdata", "mds-png": "streaming",
+                "shards-png-dali": "nvidia.dali"}
 
 
 def missing_peers(readers: Iterable[str]) -> dict[str, str]:
@@ -330,6 +347,73 @@ def run_matrix(paths: dict[str, Path], workers: list[int], repeats: int,
                 print(f"{name:<14} {cache:<5} workers={w}  {best:8.0f} samples/s  {cpu:6.0f} us CPU/sample "
                       f"(load {os.getloadavg()[0]:.1f})", flush=True)
     return rows, how
+
+
+# ---------------------------------------------------------------- the decoders alone (issue 41)
+
+
+def textured(n: int, side: int, seed: int = 0) -> np.ndarray:
+    """``n`` side x side RGB images like :func:`images` (smooth pattern plus noise), any size."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:side, 0:side] * (32 / side)
+    out = np.empty((n, side, side, 3), np.uint8)
+    for i in range(n):
+        c = i % 10
+        pattern = np.sin((xx * (c + 1) + yy * (3 - c % 3)) / 6.0)[..., None] * np.array([60, 40, 80]) + 128
+        out[i] = np.clip(pattern + rng.normal(0, 20, (side, side, 3)), 0, 255).astype(np.uint8)
+    return out
+
+
+def _decoders(threads: list[int], gpu: bool = False) -> dict[str, Callable[[list[bytes]], Any]]:
+    """Each decoder that imports here: a batch of encoded PNGs -> uint8 pixels (NHWC; DALI's NCHW,
+    a CUDA tensor for ``dali-gpu``, turned back for the pixel check, outside the timing)."""
+    out: dict[str, Callable[[list[bytes]], Any]] = {"pil": lambda b: np.stack([_pil_rgb(x) for x in b])}
+    spng = shard_decode._spng() if shard_decode._SPNG is not False else None
+    if spng:
+        out["pyspng"] = lambda b: np.stack([spng(x) for x in b])
+    try:
+        from hpctrain.data.dali import DaliDecoder, Plan
+    except ImportError:
+        return out
+    from hpctrain.data.dali import dali_available
+
+    if dali_available():
+        for t in threads:
+            dali = DaliDecoder(BATCH, gray=False, backend="cpu", num_threads=t)
+            out[f"dali-cpu-{t}t"] = lambda b, d=dali: d([np.frombuffer(x, np.uint8) for x in b], Plan()).numpy()
+        if gpu and torch.cuda.is_available():  # "mixed": nvImageCodec on the GPU, the pixels stay there
+            dali = DaliDecoder(BATCH, gray=False, backend="gpu", num_threads=max(threads))
+            out["dali-gpu"] = lambda b, d=dali: d([np.frombuffer(x, np.uint8) for x in b], Plan())
+    return out
+
+
+def decode_rows(sides: list[int], batches: int, threads: list[int], repeats: int, gpu: bool = False) -> list[dict]:
+    """samples/s and CPU us per sample (all threads of this process) of each decoder on the same
+    batches of ``BATCH`` PNG bytes; every decoder's pixels checked equal to PIL's."""
+    decoders = _decoders(threads, gpu)
+    sync = torch.cuda.synchronize if gpu and torch.cuda.is_available() else (lambda: None)
+    rows = []
+    for side in sides:
+        encoded = [png(img) for img in textured(BATCH * batches, side)]
+        chunks = [encoded[i : i + BATCH] for i in range(0, len(encoded), BATCH)]
+        want = decoders["pil"](chunks[0])
+        for name, fn in decoders.items():
+            got = fn(chunks[0])  # also the warm-up (DALI builds its pipeline on first use)
+            got = got.cpu().numpy() if isinstance(got, torch.Tensor) else got
+            same = np.array_equal(got if got.shape == want.shape else got.transpose(0, 2, 3, 1), want)
+            best, cpu = 0.0, float("inf")
+            for _ in range(repeats):
+                t0, c0 = time.perf_counter(), cpu_seconds()
+                for chunk in chunks:
+                    fn(chunk)
+                sync()  # the GPU's queued work counts
+                wall, used = time.perf_counter() - t0, cpu_seconds() - c0
+                best, cpu = max(best, len(encoded) / wall), min(cpu, 1e6 * used / len(encoded))
+            rows.append({"decoder": name, "side": side, "samples_per_s": best, "cpu_us_per_sample": cpu,
+                         "same_pixels_as_pil": bool(same), "batch": BATCH, "samples": len(encoded)})
+            print(f"decode {name:<12} {side:>4}x{side:<4} {best:9.0f} samples/s  {cpu:7.0f} us CPU/sample  "
+                  f"same pixels as PIL: {same}  (load {os.getloadavg()[0]:.1f})", flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------- the training step's data wait
@@ -422,8 +506,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readers", default=",".join(READERS), help="comma-separated subset of the readers")
     parser.add_argument("--train-steps", type=int, default=0, help="also train MNIST from shards this many steps")
     parser.add_argument("--train-workers", default="0,2")
+    parser.add_argument("--decode-only", action="store_true", help="only the decoders on the same bytes (issue 41)")
+    parser.add_argument("--decode-sizes", default="32,224", help="image sides for --decode-only")
+    parser.add_argument("--decode-batches", type=int, default=20, help="batches of 64 per side for --decode-only")
+    parser.add_argument("--dali-threads", default="1,2", help="DALI CPU threads for --decode-only")
+    parser.add_argument("--dali-gpu", action="store_true", help="--decode-only: also DALI's mixed (GPU) decode")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.decode_only:
+        rows = decode_rows([int(s) for s in args.decode_sizes.split(",")], args.decode_batches,
+                           [int(t) for t in args.dali_threads.split(",")], args.repeats, args.dali_gpu)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"cpus": os.cpu_count(), "decode": rows}, indent=1))
+        return 0
     workers = [int(w) for w in args.workers.split(",")]
     asked = args.readers.split(",")
     skipped = missing_peers(asked)

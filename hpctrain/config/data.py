@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from hpctrain.config.mix import check_mix
 from hpctrain.core.section import ConfigError, at_least, opt, positive
-from hpctrain.core.storage import check_storage_options
+from hpctrain.core.storage import check_storage_options, is_url, parse_url
 
 SPLITS = ("train", "val", "test")  # what a source may be asked for; data.val_split names one of the last two
 
@@ -38,6 +38,7 @@ class DataConfig:
     shuffle_window: int = opt(1000, "Shards: samples per window for shuffle=window.")
     stage_dir: str | None = opt(None, "Shards: node-local directory to copy the shards to first (local rank 0 copies, verifies, others wait); default $SLURM_TMPDIR when set; off = read data.path directly. With data.path on object storage: the node-local cache (the first run downloads, a restart or later epoch reads locally); off = ranged reads with prefetch.")
     image_size: int | None = opt(None, "Image folders: resize every image to image_size x image_size pixels (hpctrain data shard --image-size N); None = every image must have the same size, and mixed sizes are refused naming a file.")
+    decoder: Literal["native", "dali"] = opt("native", "Image shards (png/jpg): who decodes. native = libspng (pyspng) or PIL in the loader's workers; dali = NVIDIA DALI in the training process, on the GPU (mixed) under CUDA, on its CPU backend elsewhere, fed the bytes hpctrain's workers read: the order, rank x worker split, resume and validation stay hpctrain's, and PNG pixels are bit-identical (pip install 'hpctrain[dali]'; docs/data.md).")
     on_corrupt: Literal["stop", "skip"] = opt("stop", "Shards: a truncated or corrupt sample stops the run (naming shard and key), or is skipped, logged and counted.")
     input_key: str | None = opt(None, "Your own data with dict items: the input's key; None = the first of input, inputs, input_ids, x, image, img, pixel_values, features.")
     label_key: str | None = opt(None, "Your own data with dict items: the label's key; None = the first of label, labels, target, targets, y.")
@@ -53,8 +54,24 @@ class DataConfig:
         positive("data", self, "batch_size", "global_batch_size", "eval_batch_size", "max_train_samples",
                  "max_val_samples", "prefetch_factor", "synthetic_size", "shuffle_window", "image_size")
         at_least("data", self, "num_workers", 0)
-        check_storage_options("data.storage_options", self.storage_options)
+        check_places(self)
         check_mix(self)
+
+
+def check_places(data: DataConfig) -> None:
+    """``data.path`` and ``data.storage_options``, and each mixture entry's (named ``data.mix[i].KEY``):
+    an object-store URL parsed as the client will take it and options of their types, refused here
+    (exit 2, one line) before any client is made. (Entries that are not mappings: check_mix's to name.)"""
+    check_storage_options("data.storage_options", data.storage_options)
+    if is_url(data.path):
+        parse_url(str(data.path), "data.path")
+    for i, entry in enumerate(data.mix or []):
+        if not isinstance(entry, dict):
+            continue
+        if "storage_options" in entry:
+            check_storage_options(f"data.mix[{i}].storage_options", entry["storage_options"])
+        if is_url(entry.get("path")):
+            parse_url(str(entry["path"]), f"data.mix[{i}].path")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from hpctrain.core.env import ClusterEnv
 from hpctrain.core.errors import HpctrainError
 from hpctrain.core.section import ConfigError
 from hpctrain.data.batch import ArrayDataset, Batch, BatchedDataset, ItemDataset, batched, main_input
+from hpctrain.data.dali import check_dali, dali_train_loader, dali_val_loader  # imports no DALI itself
 from hpctrain.data.in_memory import EvalLoader, MemoryLoader
 from hpctrain.data.loader import IndexedBatches, MapStyleLoader, ShardedEvalLoader, ShardedLoader
 from hpctrain.data.manifest import manifest_path
@@ -128,8 +129,10 @@ def build_data(data: DataConfig, env: ClusterEnv, device: torch.device, *, seed:
     With ``data.mix``: one loader over the weighted sources (:func:`_mixture_data`).
     """
     if data.mix is not None:
+        _no_dali_mix(data)
         return _mixture_data(data, env, device, seed, seq_len, num_classes, with_val, targets)
     source, arg = resolve_source(data.name)
+    check_dali(data, shards=source.shards is not None)
     if source.splits is not None:
         user = _splits(source.splits, data, arg, seed, targets, seq_len)
         return _user_data(data, env, device, seed, user, num_classes, with_val, targets)
@@ -149,8 +152,10 @@ def build_val_loader(data: DataConfig, env: ClusterEnv, *, seed: int, seq_len: i
                      num_classes: int | None = None, targets: str = "class") -> ValData:
     """The evaluation loader of ``data.val_split`` for any ``data.name``, and its layout (``hpctrain eval``)."""
     if data.mix is not None:
+        _no_dali_mix(data)
         return _mixture_val(data, env, seed, seq_len, num_classes, targets)
     source, arg = resolve_source(data.name)
+    check_dali(data, shards=source.shards is not None)
     if source.splits is not None:
         user: UserData = _splits(source.splits, data, arg, seed, targets, seq_len)
         classes = class_count(user, data, num_classes)
@@ -222,8 +227,28 @@ def _shard_root(shards: str, data: DataConfig, env: ClusterEnv, seq_len: int | N
     return stage_shards(root, resolve_stage_dir(data.stage_dir), env, ["train", data.val_split])
 
 
+def _no_dali_mix(data: DataConfig) -> None:
+    if data.decoder == "dali":
+        raise ConfigError("data.decoder=dali with data.mix: a mixture reads its sources through the native "
+                          "decoder; hint: data.decoder=native, or one image-shard data.path")
+
+
+def _dali_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: int, root: Path,
+               num_classes: int | None, with_val: bool) -> DataBundle:
+    """Image shards decoded by DALI (data.decoder=dali): hpctrain's order, split and resume, DALI's decode."""
+    loader = dali_train_loader(data, env, device, seed=seed, root=root)
+    val = None
+    if with_val and _has_val(data, root):
+        val = dali_val_loader(data, env, device, root=root, batch_size=eval_batch_size(data))
+    layout = data_layout(num_classes=_num_classes(loader.dataset, num_classes), input_shape=loader.input_shape(),
+                         input_dtype=torch.float32)
+    return _bundle(loader, loader.num_samples, layout, val, val.num_samples if val else 0)
+
+
 def _shard_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: int, root: Path,
                 num_classes: int | None, with_val: bool) -> DataBundle:
+    if data.decoder == "dali":
+        return _dali_data(data, env, device, seed, root, num_classes, with_val)
     text = text_layout(root)
     loader = ShardedLoader(root, env, data.batch_size, split="train", seed=seed, shuffle=data.shuffle,
                            shuffle_window=data.shuffle_window, drop_last=data.drop_last, num_workers=data.num_workers,
@@ -235,10 +260,16 @@ def _shard_data(data: DataConfig, env: ClusterEnv, device: torch.device, seed: i
                    val.num_samples if val else 0)
 
 
+def _has_val(data: DataConfig, root: Path) -> bool:
+    if manifest_path(root, data.val_split).is_file():
+        return True
+    log.warning("no %s split in %s: training without validation (hint: hpctrain data shard SOURCE %s --split %s)",
+                data.val_split, root, data.path, data.val_split)
+    return False
+
+
 def _shard_val_loader(data: DataConfig, env: ClusterEnv, root: Path) -> ShardedEvalLoader | None:
-    if not manifest_path(root, data.val_split).is_file():
-        log.warning("no %s split in %s: training without validation (hint: hpctrain data shard SOURCE %s --split %s)",
-                    data.val_split, root, data.path, data.val_split)
+    if not _has_val(data, root):
         return None
     return ShardedEvalLoader(root, env, eval_batch_size(data), split=data.val_split, on_corrupt=data.on_corrupt,
                              max_samples=data.max_val_samples,

@@ -97,6 +97,11 @@ class InputConversion:
         t = torch.from_numpy(arr)
         if self.image:  # NCHW in uint8 first: a quarter of the bytes to move as float (same values)
             t = (t.unsqueeze(1) if t.ndim == 3 else t.permute(0, 3, 1, 2)).contiguous()
+        return self.scaled(t)
+
+    def scaled(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (images: NCHW uint8, e.g. DALI's, on any device) as the model's input: the same
+        operations in the same order whichever decoder made the pixels, so the same values."""
         if not (self.image or self.scale or self.mean is not None):
             return as_model_input(t).contiguous()
         x = t.float()
@@ -104,7 +109,8 @@ class InputConversion:
             x = x.div_(self.scale)
         if self.mean is not None and self.std is not None:
             shape = (1, -1) + (1,) * (x.ndim - 2)
-            x = (x - torch.tensor(self.mean).view(shape)) / torch.tensor(self.std).view(shape)
+            mean, std = (torch.tensor(v, device=x.device).view(shape) for v in (self.mean, self.std))
+            x = (x - mean) / std
         return x.contiguous()
 
 
