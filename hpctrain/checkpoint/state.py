@@ -169,6 +169,7 @@ def snapshot(state: Mapping[str, Any], env: ClusterEnv, cfg_dict: dict[str, Any]
         replicated.update(view.whole_state())
     info = {**counters, "world_size": env.world_size, "format": view.format,
             "config_sha256": config_fingerprint(cfg_dict)}
+    info.update(view.manifest_info())
     return Snapshot(counters["step"], replicated, per_rank, own_state, info, view if view.files_dir else None)
 
 

@@ -80,6 +80,11 @@ class CheckpointView(ABC):
 
     # ---------------------------------------------------------------- saving
 
+    def manifest_info(self) -> dict[str, Any]:
+        """Fields of this state for the checkpoint's manifest, readable without torch (a frozen
+        base's digest, say); default none."""
+        return {}
+
     def gather(self) -> None:  # noqa: B027 - an optional step: most views need none
         """Before every save, on every rank (collectives allowed): make the state consistent
         (buffers made rank 0's, a split optimizer consolidated)."""

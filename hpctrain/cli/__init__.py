@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": (__name__, "evaluate saved weights on the validation split, exactly, at any world size"),
     "run": ("hpctrain.cli.launch", "N local ranks via torchrun: hpctrain run -n 2 [train|eval] [CONFIG] [k=v]"),
     "slurm": ("hpctrain.cli.launch", "write (and submit) an sbatch script; `slurm status|cancel RUN_DIR`"),
+    "k8s": ("hpctrain.cli.launch", "write (and apply) a Kubernetes PyTorchJob or JobSet for the same job"),
     "doctor": ("hpctrain.cli.launch", "what a job sees on this node (or every node) and common mistakes"),
     "config": (__name__, "show the resolved config, or the config reference"),
     "models": (__name__, "list registered models with parameter counts"),
@@ -47,7 +48,15 @@ def _config(args: argparse.Namespace) -> Config:
     return config_from_args(args.config_args)
 
 
+def _passive_omp() -> None:
+    """OpenMP's threads sleep when idle instead of spinning, unless the user chose (set before torch
+    loads it): on cores shared with other processes (loader workers, other ranks, a busy node) the
+    spinning threads of one process made a tiny LoRA step 2.35 s instead of 0.05 s (issue 38)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    _passive_omp()
     cfg = _config(args)  # no torch yet: during its import (seconds) a preemption signal would end the rank
     keep_signals(start_up_signals(cfg.checkpoint))  # kept instead, and honoured after the first step
     from hpctrain.train import train  # torch: after keep_signals, and never for a login node's commands
@@ -66,6 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    _passive_omp()
     from hpctrain.evaluation.job import run_eval  # torch: only the eval command loads it
 
     start_rank()
@@ -114,8 +124,10 @@ def _keys_epilog() -> str:
 
 def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value]")
-    p.add_argument("--weights", required=True, help="model.pt of a run (or a state dict file)")
-    p.add_argument("--out", help="directory for eval.json (default: next to the weights)")
+    p.add_argument("--weights", required=True,
+                   help="a run directory (its model.pt, else its newest intact checkpoint), its checkpoints/ "
+                        "folder, one checkpoint (RUN/checkpoints/step-N), or a weights file (model.pt, a state dict)")
+    p.add_argument("--out", help="directory for eval.json (default: the run directory; next to a weights file)")
     p.add_argument("--predictions", action="store_true", help="also write predictions.jsonl (keys, predictions)")
     p.set_defaults(func=cmd_eval)
 

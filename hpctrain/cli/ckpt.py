@@ -1,4 +1,6 @@
-"""``hpctrain ckpt list RUN_DIR | verify PATH | export PATH OUT``; each also takes the URL of a
+"""``hpctrain ckpt list PATH | verify PATH | export PATH OUT | --adapters DIR | --merged FILE``: PATH is
+a run directory, its ``checkpoints/`` folder or one checkpoint (:mod:`hpctrain.weights.locate`,
+each command says which it read; nothing committed there: exit 2). Each also takes the URL of a
 remote tier (``s3://BUCKET/PREFIX``, checkpoint.remote) or of one checkpoint in it
 (``s3://BUCKET/PREFIX/step-N``): listed from the store, verified and exported from a download
 into a temporary directory (``$TMPDIR``)."""
@@ -11,61 +13,59 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpctrain.checkpoint import confine, layout, remote
 from hpctrain.checkpoint.view import manifest_format, view_class
+from hpctrain.core.errors import UserError
 from hpctrain.core.safe_pickle import UnsafePickleError, check_torch_archive
 from hpctrain.parallel import checkpoint_formats  # noqa: F401  # the formats' registry lines (torch-free)
+from hpctrain.weights.locate import checkpoint_source, locate, newest_intact
 
-if TYPE_CHECKING:
-    from hpctrain.weights.export import Source
+__all__ = ["add_parser", "checkpoint_source"]
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("ckpt", help="list, verify or export checkpoints")
     actions = p.add_subparsers(dest="action", required=True)
     a = actions.add_parser("list", help="committed checkpoints of a run directory")
-    a.add_argument("run_dir")
+    a.add_argument("run_dir", help=WHERE)
     a.add_argument("--verify", action="store_true", help="also check every file's size and checksum (and what "
                    "the pickles and tensor headers hold); exit 1 when one is corrupt, 2 when one is refused")
     a.set_defaults(func=cmd_list)
     a = actions.add_parser("verify", help="check sizes, checksums and what the pickles may hold; exit 1 on any "
                                           "corrupt file, 2 on a crafted one; unreadable: 2 (permissions) or 1 (I/O)")
-    a.add_argument("path", help="a checkpoint directory, or a run directory (all its checkpoints)")
+    a.add_argument("path", help=f"{WHERE} (each of its checkpoints)")
     a.set_defaults(func=cmd_verify)
-    a = actions.add_parser("export", help="consolidated model weights as .pt or .safetensors")
-    a.add_argument("path", help="a checkpoint directory, or a run directory (its newest intact checkpoint)")
-    a.add_argument("out", help="output file: *.pt or *.safetensors")
+    a = actions.add_parser("export", help="consolidated model weights as .pt or .safetensors; a LoRA checkpoint's "
+                                          "adapters as PEFT's folder (--adapters) or merged into the base (--merged)")
+    a.add_argument("path", help=f"{WHERE} (its newest intact checkpoint)")
+    a.add_argument("out", nargs="?", help="output file: *.pt or *.safetensors")
+    a.add_argument("--adapters", metavar="DIR", help="a PEFT model's checkpoint: adapter_model.safetensors + "
+                   "adapter_config.json, as PeftModel.from_pretrained(base, DIR) loads them")
+    a.add_argument("--merged", metavar="FILE", help="a PEFT model's checkpoint: the base with the adapters merged "
+                   "in (merge_and_unload), as *.safetensors or *.pt")
+    a.add_argument("--base", metavar="DIR", help="--merged: the base model's folder (default: the adapter config's "
+                   "base_model_name_or_path); checked against the checkpoint's digest of its base")
     a.set_defaults(func=cmd_export)
 
 
-def _targets(path: Path) -> list[Path]:
-    if (path / layout.MANIFEST).is_file():
-        return [path]
-    for root in (layout.checkpoints_dir(path), path):
-        found = [p for _, p in layout.committed(root)]
-        if found:
-            return found
-    return []
+WHERE = "a run directory, its checkpoints/ folder or one checkpoint (RUN/checkpoints/step-N)"
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     if remote.is_remote(args.run_dir):
         return _list_remote(args.run_dir, args.verify)
-    if not Path(args.run_dir).is_dir():
-        print(f"hpctrain ckpt list: error: run directory {args.run_dir} does not exist (or is not a directory)",
-              file=sys.stderr)
-        return 2
-    root = layout.checkpoints_dir(Path(args.run_dir))
-    entries = layout.committed(root)
-    if not entries:
-        print(f"no committed checkpoints in {root}")
-        return 0
-    best = layout.best_step(root)
+    try:
+        found = locate(args.run_dir)  # a run dir, its checkpoints/ folder or one checkpoint
+    except layout.CheckpointError as err:  # nothing there (2), or a folder that cannot be listed
+        print(f"hpctrain ckpt list: error: {err}", file=sys.stderr)
+        return err.exit_code
+    print(found.describe())
+    best = layout.best_step(found.root)
     return _print_rows([(path.name, step, lambda p=path: layout.read_manifest(p),
                          (lambda p=path: _verify_one(p)) if args.verify else None, step == best)
-                        for step, path in entries])
+                        for step, path in found.checkpoints])
 
 
 Row = tuple[str, int, Any, Any, bool]  # name, step, read its manifest, verify it (None: not asked), best
@@ -136,12 +136,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                   f"{args.path}`", file=sys.stderr)
             return 2
         return max(_report(f"{store.url}/{name}", _verify_remote(store, name)) for _, name in entries)
-    targets = _targets(Path(args.path))
-    if not targets:
-        print(f"hpctrain ckpt verify: error: {args.path} holds no committed checkpoint; hint: give a checkpoint "
-              "or run directory (`hpctrain ckpt list RUN_DIR`)", file=sys.stderr)
-        return 2  # wrong input; 1 means a checkpoint is corrupt
-    return max(_report(str(path), _verify_one(path)) for path in targets)
+    try:
+        found = locate(args.path)
+    except layout.CheckpointError as err:  # nothing there: wrong input (2); 1 means a checkpoint is corrupt
+        print(f"hpctrain ckpt verify: error: {err}", file=sys.stderr)
+        return err.exit_code
+    print(found.describe())
+    return max(_report(str(path), _verify_one(path)) for _, path in found.checkpoints)
 
 
 def _report(where: str, outcome: tuple[str, list[str], int]) -> int:
@@ -178,7 +179,10 @@ def _unsafe_contents(path: Path) -> list[str]:
             fh, _ = confine.open_regular(path / name, path)
             with fh:
                 check_torch_archive(fh, str(path / name))
-        except UnsafePickleError as err:
+            # torch: the weights-only load a resume makes, the one check a crafted pickle with right hashes meets
+            from hpctrain.checkpoint.checkpointer import load_file
+            load_file(path / name, manifest["files"])
+        except (UnsafePickleError, layout.CheckpointError) as err:
             problems.append(str(err))
         except OSError as err:
             raise layout.unreadable(path / name, err) from err
@@ -214,23 +218,49 @@ def _bad_tensor_headers(path: Path, manifest: dict[str, Any]) -> list[str]:
 def cmd_export(args: argparse.Namespace) -> int:
     # Here, not at the top: export needs torch, and list and verify (a login node's) do not.
     from hpctrain.checkpoint.tensorfile import TensorFileError
-    from hpctrain.weights.export import SUFFIXES, ExportError, write_stream
+    from hpctrain.weights.export import SUFFIXES, ExportError
 
-    out = Path(args.out)
-    if out.suffix not in SUFFIXES:
-        print(f"hpctrain ckpt export: {out} must end in .pt or .safetensors", file=sys.stderr)
+    wanted = [flag for flag in ("out", "adapters", "merged") if getattr(args, flag)]
+    if len(wanted) != 1:
+        print("hpctrain ckpt export: error: give one of OUT, --adapters DIR or --merged FILE"
+              f"{' (got ' + ', '.join(wanted) + ')' if wanted else ''}", file=sys.stderr)
+        return 2
+    target = Path(args.out or args.merged or "")
+    if not args.adapters and target.suffix not in SUFFIXES:
+        print(f"hpctrain ckpt export: {target} must end in .pt or .safetensors", file=sys.stderr)
         return 2
     try:
         with _export_source(args.path) as (path, where):
-            written = write_stream(out, checkpoint_source(path))
+            said = _export(args, path)
             step = layout.read_manifest(path).get("step")
-    except (layout.CheckpointError, ExportError, UnsafePickleError, TensorFileError) as err:
+    except (layout.CheckpointError, ExportError, UnsafePickleError, TensorFileError, UserError) as err:
         print(f"hpctrain ckpt export: error: {err}", file=sys.stderr)
         # 2: no checkpoint there, or a crafted one refused; 1: a corrupt one, or the output cannot be written
         return err.exit_code
-    assert written is not None  # write=True
-    print(f"wrote {out} ({written.tensors} tensors, {written.nbytes / 1e6:.1f} MB, step {step}) from {where}")
+    print(f"wrote {said}, step {step}, from {where}")
     return 0
+
+
+def _export(args: argparse.Namespace, path: Path) -> str:
+    """Write what ``args`` asks of the checkpoint at ``path``; returns what was written, in words."""
+    from hpctrain.weights import adapters, frozen
+    from hpctrain.weights.export import Written, write_stream
+
+    if args.adapters:
+        files = adapters.write_adapters(path, Path(args.adapters))
+        return ", ".join(f"{w.path} ({w.tensors} tensors, {w.nbytes / 1e6:.3f} MB) + adapter_config.json"
+                         for w in files)
+    written: Written | None
+    if args.merged:
+        written = adapters.write_merged(path, Path(args.merged), Path(args.base) if args.base else None)
+    else:
+        if frozen.read_base_record(path) is not None:
+            raise UserError(f"checkpoint {path} holds only the trained parameters of a frozen base (LoRA): alone "
+                            "they are no model; hint: --adapters DIR (PEFT's adapter folder) or --merged FILE (the "
+                            "base with them merged in)")
+        written = write_stream(Path(args.out), checkpoint_source(path))
+    assert written is not None  # write=True
+    return f"{written.path} ({written.tensors} tensors, {written.nbytes / 1e6:.1f} MB)"
 
 
 @contextmanager
@@ -238,11 +268,10 @@ def _export_source(spec: str) -> Iterator[tuple[Path, str]]:
     """(a local checkpoint directory, what to call it): a local path's, or the newest remote
     checkpoint of a URL that downloads intact (corrupt ones are said and skipped)."""
     if not remote.is_remote(spec):
-        path = layout.resolve(spec)
-        problems = layout.verify(path)  # a download is checked against its manifest as it lands
-        if problems:
-            raise layout.CheckpointError(f"{path} is corrupt: {'; '.join(problems)}")
-        yield path, str(path)
+        found = newest_intact(locate(spec))  # a download is checked against its manifest as it lands
+        if found.problems:
+            raise layout.CheckpointError(f"{found.path} is corrupt: {'; '.join(found.problems)}")
+        yield found.path, str(found.path)
         return
     store, entries = _remote_tier(spec)
     with tempfile.TemporaryDirectory(prefix="hpctrain-ckpt-") as tmp:
@@ -251,10 +280,3 @@ def _export_source(spec: str) -> Iterator[tuple[Path, str]]:
             raise layout.NoCheckpointError(f"{spec} holds no intact committed checkpoint; "
                                            f"hint: `hpctrain ckpt list {spec}`")
         yield fetched, f"{store.url}/{fetched.name}"
-
-
-def checkpoint_source(path: Path) -> Source:
-    """A committed checkpoint's model tensors, without a process group, from the view class of
-    its manifest's format (a sharded checkpoint's read one at a time, never the optimizer state)."""
-    source: Source = view_class(manifest_format(layout.read_manifest(path))).export(path)
-    return source

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hpctrain.checkpoint import layout
 from hpctrain.config import Config
 from hpctrain.config.mix import data_text
 from hpctrain.core import env as cluster
@@ -20,9 +21,12 @@ from hpctrain.precision import Precision
 from hpctrain.tasks import Task, data_targets, resolve_task
 from hpctrain.tasks.inputs import build_task_model
 from hpctrain.tasks.metrics import user_metrics
+from hpctrain.weights.frozen import load_trained, read_base_record
 from hpctrain.weights.load import load_weights_file
+from hpctrain.weights.locate import ONE, checkpoint_source, locate, newest_intact
 
 log = logging.getLogger("hpctrain")
+MODEL_FILE = "model.pt"  # what a finished run leaves in its directory
 
 
 class WeightsError(UserError):
@@ -34,8 +38,14 @@ class EvalOutputError(UserError):
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """A weights file (``model.pt``, a state dict file), or what :func:`weights_source` found in
+    a directory (a run's model.pt, or a committed checkpoint's model tensors)."""
+    if path.is_dir():
+        _load_checkpoint_weights(model, _found(path))
+        return
     if not path.is_file():
-        raise WeightsError(f"weights file {path} does not exist; hint: a run writes RUN_DIR/model.pt")
+        raise WeightsError(f"weights file {path} does not exist; hint: pass a run directory, its checkpoints/ folder, "
+                           "one checkpoint (RUN_DIR/checkpoints/step-N) or a weights file (RUN_DIR/model.pt)")
     try:
         state = load_weights_file(path)  # checked against the crafted-file limits before torch reads it
     except HpctrainError:
@@ -55,10 +65,50 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
         raise WeightsError(f"weights {path} do not fit model: {str(err).splitlines()[0]}") from err
 
 
+def weights_source(path: Path) -> tuple[Path, str]:
+    """(what ``--weights PATH`` loads, how to say it): a file as given; a run directory's
+    model.pt (the finished run's weights) where it has one; else the newest intact committed
+    checkpoint of the run directory, checkpoints/ folder or checkpoint ``path`` names (nothing
+    there: :class:`~hpctrain.checkpoint.layout.NoCheckpointError`, exit 2)."""
+    if not path.is_dir():
+        return path, f"weights file {path}"
+    if (path / MODEL_FILE).is_file() and not (path / layout.MANIFEST).is_file():
+        return path / MODEL_FILE, f"{path / MODEL_FILE} (the run's final weights)"
+    found, located = _found(path), locate(path)
+    among = "" if located.kind == ONE else f"; the newest intact of the {located.describe()}"
+    return found.path, f"checkpoint {found.path} (step {found.step}{among})"
+
+
+def _found(path: Path) -> layout.Found:
+    found = newest_intact(locate(path))
+    if found.problems:
+        raise layout.CheckpointError(f"checkpoint {found.path} is corrupt: {'; '.join(found.problems)}; hint: "
+                                     f"`hpctrain ckpt verify {found.path}`")
+    return found
+
+
+def _load_checkpoint_weights(model: torch.nn.Module, found: layout.Found) -> None:
+    """A committed checkpoint's model tensors (any format, one at a time from its files) into
+    ``model``; a frozen-base (LoRA) checkpoint holds only the trained tensors: the base comes
+    from the model as built, checked against the checkpoint's digest of it."""
+    source = checkpoint_source(found.path)
+    state = {spec.name: tensor for spec, tensor in zip(source.specs, source.tensors, strict=True)
+             if tensor is not None}  # no process group: every tensor comes whole
+    try:
+        load_trained(model, state, read_base_record(found.path), found.path)
+    except RuntimeError as err:
+        raise WeightsError(f"checkpoint {found.path} does not fit the model: {str(err).splitlines()[0]}") from err
+
+
 def run_eval(cfg: Config, weights: Path, out_dir: Path | None = None, predictions: bool = False) -> dict[str, Any]:
+    """``weights``: a weights file, a run directory, its checkpoints/ folder or one checkpoint
+    (see :func:`weights_source`); the results go to ``out_dir``, else to the run directory."""
     env = cluster.detect()
     device = cluster.init_distributed(env, cfg.parallel.backend, cfg.parallel.init_timeout_s)
     try:
+        weights, which = agree("finding the weights to evaluate", lambda: weights_source(weights))
+        if env.is_main:
+            log.info("eval: weights from %s", which)
         # Every rank loads; one rank's failure fails all of them here, never in evaluate's collectives.
         loader, num_classes, model, task = agree("loading the eval data and weights",
                                                  lambda: _prepare(cfg, env, weights))
@@ -67,12 +117,20 @@ def run_eval(cfg: Config, weights: Path, out_dir: Path | None = None, prediction
                           Precision(cfg.precision, device), collect_predictions=predictions, task=task)
         report = {**result.metrics, "samples_per_s": result.samples_per_s, "world_size": env.world_size,
                   "weights": str(weights), "split": cfg.data.val_split, "data": data_text(cfg.data), "task": task.name}
-        target = out_dir or weights.parent
+        target = out_dir or _run_dir_of(weights)
         rows = named_predictions(result.predictions, loader) if predictions else None
         agree("writing the eval results", lambda: _write(report, rows, target) if env.is_main else None)
         return report
     finally:
         cluster.teardown()
+
+
+def _run_dir_of(weights: Path) -> Path:
+    """Where eval.json goes by default: next to a weights file, or the run directory of a
+    checkpoint (RUN/checkpoints/step-N -> RUN), never inside a committed checkpoint."""
+    if (weights / layout.MANIFEST).is_file():
+        return weights.parent.parent if weights.parent.name == "checkpoints" else weights.parent
+    return weights.parent
 
 
 def named_predictions(rows: list[dict[str, Any]], loader: Any) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from hpctrain.core.errors import agree
 from hpctrain.core.modules import unwrap
 from hpctrain.core.safe_pickle import UnsafePickleError
 from hpctrain.parallel.buffers import ddp_sync_buffers
+from hpctrain.weights import frozen
 from hpctrain.weights.export import LiveBytes, Source, TensorSpec, dict_source
 
 if TYPE_CHECKING:
@@ -47,10 +48,11 @@ def dcp_api() -> ModuleType:
     return api
 
 
-def flat() -> StateDictOptions:
+def flat(model: nn.Module | None = None) -> StateDictOptions:
     """The optimizer saved flattened: one entry per parameter name, so any split of the model
-    reads its own names."""
-    return dcp_api().StateDictOptions(flatten_optimizer_state_dict=True)
+    reads its own names; a frozen base (LoRA) is left out (its construction brings it back)."""
+    frozen_base = model is not None and frozen.has_frozen_base(model)
+    return dcp_api().StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=frozen_base)
 
 
 def _mismatch(source: Any, err: Exception) -> CheckpointMismatchError:
@@ -75,6 +77,10 @@ class WholeState(CheckpointView):
         # every rank's buffers made rank 0's before a save, so the checkpoint holds one copy and a
         # resume gives every rank the same (a strategy sets its own; default: a DDP model's group)
         self.before_save: Callable[[], None] = functools.partial(ddp_sync_buffers, model)
+        # a frozen base (LoRA) is saved as its digest only, computed once (it never changes; under
+        # FSDP a collective, so on every rank in gather, before rank 0 writes it)
+        self.frozen_base = frozen.has_frozen_base(model)
+        self._base: dict[str, Any] | None = None
 
     def for_format(self, name: str) -> CheckpointView:
         """``checkpoint.format=dcp``: the same model saved through DCP (any split reads it)."""
@@ -88,34 +94,68 @@ class WholeState(CheckpointView):
         """Before a save, on every rank, whatever the format: buffers synced (a collective), and
         where the state is split (ZeRO-1) the optimizer state consolidated."""
         self.before_save()
+        self.base_record()
+
+    def base_record(self) -> dict[str, Any] | None:
+        """The frozen base's record (digest, count, PEFT adapters), once; None without a frozen base."""
+        if self.frozen_base and self._base is None:
+            self._base = frozen.base_record(self.model)
+        return self._base
+
+    def manifest_info(self) -> dict[str, Any]:
+        """Fields for the checkpoint's manifest: the frozen base's record, readable without torch."""
+        record = self.base_record()
+        return {frozen.RECORD: record} if record is not None else {}
 
     def whole_state(self) -> dict[str, Any]:
-        return self.state_dict()
+        return {**self.state_dict(), **self.manifest_info()}
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"model": ..., "optimizer": ...}``, whole; references, no copies."""
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
+        """``{"model": ..., "optimizer": ...}``, whole (without a frozen base); references, no copies."""
+        model = frozen.trained_state(self.model) if self.frozen_base else unwrap(self.model).state_dict()
+        return {"model": model, "optimizer": self.optimizer.state_dict()}
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Model and optimizer for DCP under the whole model's names, the optimizer flattened to one
         entry per name, so any split of the model (fsdp at any world size, pp x dp, one process) reads it."""
-        model_sd, optim_sd = dcp_api().get_state_dict(self.model, self.optimizer, options=flat())
+        model_sd, optim_sd = dcp_api().get_state_dict(self.model, self.optimizer, options=flat(self.model))
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load(self, path: Path, manifest: dict[str, Any], replicated: dict[str, Any], group: Any) -> dict[str, Any]:
         """A whole checkpoint's model and optimizer (already read, its bytes straight into the live
         tensors), or a DCP checkpoint's (saved at any world size, by any split of the model)."""
+        self.check_base(path, manifest, replicated)
         if "model" in replicated:
             agree(f"loading the model and optimizer of {path}", lambda: self.load_state_dict(
                 {"model": replicated["model"], "optimizer": replicated["optimizer"]}, path))
         elif manifest_format(manifest) == DCP:
             self.load_sharded(str(path / SHARDED_DIR), group)  # DCP exchanges its own errors
-        return {k: v for k, v in replicated.items() if k not in ("model", "optimizer")}
+        return {k: v for k, v in replicated.items() if k not in ("model", "optimizer", frozen.RECORD)}
+
+    def check_base(self, path: Path, manifest: dict[str, Any], replicated: dict[str, Any]) -> None:
+        """A frozen-base checkpoint resumes only on the base it was trained on (every rank alike,
+        before its tensors are loaded): exit 2 otherwise."""
+        record = manifest.get(frozen.RECORD) or replicated.get(frozen.RECORD)
+        self.saved_base = record if isinstance(record, dict) else None
+        if self.saved_base is None:
+            return
+        digest = frozen.base_digest(self.model) if self.frozen_base else None  # collectives: every rank
+
+        def check() -> None:
+            if digest is None:
+                raise frozen.BaseMismatchError(
+                    f"checkpoint {path} holds only the trained parameters of a frozen base (LoRA), but this model "
+                    "freezes none; hint: build the model as the run did (its PEFT wrapping), or resume=never")
+            frozen.check_base(self.model, self.saved_base, path, digest, also=", or resume=never to start over")
+
+        agree(f"checking the frozen base of {path}", check)
 
     def load_state_dict(self, state: dict[str, Any], source: Any = None) -> None:
         """Whole (format=torch) model and optimizer state."""
         try:
-            unwrap(self.model).load_state_dict(state["model"])
+            result = unwrap(self.model).load_state_dict(state["model"], strict=not self.frozen_base)
+            frozen.missing_ok(self.model, list(result.missing_keys), list(result.unexpected_keys),
+                              getattr(self, "saved_base", None), source)
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as err:  # another model's checkpoint: bad input, not a bug
             raise _mismatch(source, err) from err
@@ -125,7 +165,9 @@ class WholeState(CheckpointView):
         from hpctrain.parallel import dcp_read  # torch's DCP (DTensor, sympy) loads on first use
 
         api = dcp_api()
-        options = api.StateDictOptions(flatten_optimizer_state_dict=optimizer_flattened(path))
+        # a frozen base is neither read nor set (strict off for it alone: DCP reads every trained name it is given)
+        options = api.StateDictOptions(flatten_optimizer_state_dict=optimizer_flattened(path),
+                                       ignore_frozen_params=self.frozen_base, strict=not self.frozen_base)
         model_sd, optim_sd = api.get_state_dict(self.model, self.optimizer, options=options)
         dcp_read.load({"model": model_sd, "optimizer": optim_sd}, path, process_group=group)
         api.set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
@@ -144,8 +186,9 @@ class WholeState(CheckpointView):
         return ptrs
 
     def nbytes(self) -> int:
-        """Bytes of parameters and optimizer state on this rank (the checkpoint's size, for Young-Daly)."""
-        tensors: list[torch.Tensor] = list(self.model.parameters())
+        """Bytes of the trained parameters and optimizer state on this rank (the checkpoint's size,
+        for Young-Daly: a frozen base is not saved)."""
+        tensors: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad or not self.frozen_base]
         for state in self.optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -187,7 +230,7 @@ class ShardedState(WholeState):
     reads = (WHOLE,)
 
     def whole_state(self) -> dict[str, Any]:
-        return {}
+        return self.manifest_info()  # the frozen base's record, if any: the tensors go to DCP's files
 
     def own_state(self) -> dict[str, Any]:
         return self.sharded_state_dict()
@@ -225,8 +268,12 @@ class ShardedState(WholeState):
                 "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
                                  for group in saved["param_groups"]]}
             api = dcp_api()
+            if self.frozen_base:  # strict below is off: a frozen-base checkpoint may lack the base, nothing else
+                loaded = {frozen.clean_name(k) for k in state["model"]}
+                missing = [n for n in frozen.trained_state(self.model) if frozen.clean_name(n) not in loaded]
+                frozen.missing_ok(self.model, missing, [], getattr(self, "saved_base", None), source)
             api.set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim,
-                               options=api.StateDictOptions(full_state_dict=True))
+                               options=api.StateDictOptions(full_state_dict=True, strict=not self.frozen_base))
         except (RuntimeError, ValueError, KeyError, IndexError) as err:  # another model's checkpoint: bad input
             raise _mismatch(source, err) from err
 

@@ -1,6 +1,8 @@
 """The trained weights, out of every strategy: ``RUN_DIR/model.pt`` streamed one tensor at a
 time (:mod:`~hpctrain.weights.model`), the stream writer and ``hpctrain ckpt export``'s sources
-(:mod:`~hpctrain.weights.export`), and reading a weights file checked first (:mod:`~hpctrain.weights.load`)."""
+(:mod:`~hpctrain.weights.export`), reading a weights file checked first (:mod:`~hpctrain.weights.load`),
+where a user points at checkpoints (:mod:`~hpctrain.weights.locate`), frozen-base (LoRA) checkpoints
+(:mod:`~hpctrain.weights.frozen`) and their PEFT exports (:mod:`~hpctrain.weights.adapters`)."""
 
 from __future__ import annotations
 

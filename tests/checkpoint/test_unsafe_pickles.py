@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hpctrain.checkpoint import layout
 from hpctrain.cli import main as cli_main
@@ -85,6 +86,21 @@ def test_ckpt_verify_and_export_refuse_it_with_exit_2(planted: tuple[Path, Path]
     assert cli_main(["ckpt", "export", str(newest), str(tmp_path / "out.pt")]) == 2
     assert "refused without running it" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def test_ckpt_verify_refuses_a_payload_in_a_replicated_file_with_right_hashes(
+        planted: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, marker = planted
+    older = tmp_path / "older"
+    shutil.copytree(layout.committed(run / "checkpoints")[0][1], older)
+    name = sorted(n for n in json.loads((older / layout.MANIFEST).read_text())["files"]
+                  if "/" not in n and n.endswith(".pt"))[0]
+    archive = io.BytesIO()
+    torch.save({"model": _Payload(marker)}, archive)  # a real torch archive: its limits alone pass it
+    _plant(older / name, archive.getvalue(), older)
+    assert cli_main(["ckpt", "verify", str(older)]) == 2
+    assert "REFUSED" in capsys.readouterr().out
+    assert not marker.exists()
 
 
 def test_a_non_tensor_value_of_a_dcp_checkpoint_is_read_weights_only(tmp_path: Path) -> None:
