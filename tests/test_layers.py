@@ -256,7 +256,7 @@ def test_the_layer_table_places_packages_and_modules() -> None:
     assert layer_of("hpctrain.checkpoint.layout") == "components"
     assert layer_of("hpctrain.precision") == "components"
     assert layer_of("hpctrain.parallel.fsdp") == "parallel"
-    assert layer_of("hpctrain.estimate.hardware") == "planning"
+    assert layer_of("hpctrain.estimate.flops") == "planning"
     assert layer_of("hpctrain") == "application"
     assert layer_of("hpctrain.cli.ckpt") == "application"
     assert layer_of("hpctrain.somethingnew.x") is None

@@ -24,7 +24,7 @@ the speed-up over hpctrain bf16, MFU, peak memory (CUDA's peak allocated bytes o
 peak RSS on a CPU) and the loss at the last logged step. MFU is the model FLOPs of hpctrain's
 estimator (:func:`hpctrain.estimate.flops.model_flops`: 6 x the parameters a token multiplies
 by + attention's 12 x layers x width x sequence per token) over the GPU's dense bf16 peak from
-:mod:`hpctrain.estimate.hardware`, for every row, fp8 included (the convention torchtitan follows):
+:mod:`hpctrain.telemetry.accelerators`, for every row, fp8 included (the convention torchtitan follows):
 no FLOP counts from the trainers themselves, so both are measured alike. On a CPU, and on a GPU
 the peak table lacks, MFU is not reported (``-``): a CPU has no datasheet peak to hold it against.
 
@@ -97,13 +97,13 @@ def gpu_peak_flops(device: torch.device) -> tuple[float | None, str]:
     """(dense bf16 FLOP/s, where from) of this GPU from hpctrain's peak table; (None, why) elsewhere."""
     if device.type != "cuda":
         return None, "MFU n/a on a CPU (no datasheet peak)"
-    from hpctrain.estimate.hardware import peak_tflops
+    from hpctrain.telemetry.accelerators import peak_tflops
     from hpctrain.telemetry.flops import accelerator_key
 
     name = torch.cuda.get_device_name(device)
     key = accelerator_key(name)
     if key is None:
-        return None, f"MFU n/a: {name} is not in hpctrain.estimate.hardware's peak table"
+        return None, f"MFU n/a: {name} is not in hpctrain.telemetry.accelerators's peak table"
     return peak_tflops(key, "bf16") * 1e12, f"{name}: dense bf16 peak {peak_tflops(key, 'bf16'):g} TFLOP/s (datasheet)"
 
 

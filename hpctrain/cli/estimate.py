@@ -10,9 +10,10 @@ import sys
 from typing import NamedTuple, NoReturn
 
 from hpctrain.core.errors import UserError
-from hpctrain.estimate import bounds, gpu_memory, hfconfig, model, reliability, strategy_memory
+from hpctrain.estimate import bounds, gpu_memory, hfconfig, reliability, strategy_memory
 from hpctrain.estimate.render import render
 from hpctrain.estimate.sizing import Inputs, estimate
+from hpctrain.models.shape import BIASES, MLPS, NORMS, POSITIONS, TransformerShape
 from hpctrain.telemetry.accelerators import ACCELERATORS, PRECISIONS, Accelerator, lookup
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -55,7 +56,7 @@ def _given(args: argparse.Namespace, fields: tuple[str, ...]) -> dict[str, objec
 
 
 class _Shape(NamedTuple):
-    shape: model.TransformerShape | None
+    shape: TransformerShape | None
     source: str = ""
     seq_len_source: str = ""
     seq_len_known: bool = True
@@ -75,13 +76,13 @@ def _shape(args: argparse.Namespace) -> _Shape:
         raise UserError(f"a transformer shape needs all of --layers --hidden --heads --vocab, and --seq-len for "
                         f"FLOPs, time and activations (or --hf-config); missing: {' '.join(missing)}")
     if "seq_len" in base:
-        shape = model.TransformerShape(**base, **arch)  # type: ignore[arg-type]
+        shape = TransformerShape(**base, **arch)  # type: ignore[arg-type]
         bounds.check_shape(shape)
         return _Shape(shape, "transformer shape", "--seq-len")
     if arch.get("positions", "learned") == "learned":
         raise UserError("--seq-len missing: learned positions (the default) are a table of --seq-len x --hidden "
                         "parameters; give --seq-len, or --positions rotary|alibi to count parameters without it")
-    shape = model.TransformerShape(**base, seq_len=SEQ_STAND_IN, **arch)  # type: ignore[arg-type]
+    shape = TransformerShape(**base, seq_len=SEQ_STAND_IN, **arch)  # type: ignore[arg-type]
     bounds.check_shape(shape)
     return _Shape(shape, "transformer shape", "", seq_len_known=False)
 
@@ -91,7 +92,7 @@ def _hf_shape(path: str, base: dict[str, object], arch: dict[str, object]) -> _S
     rarely the training length (Llama 3.1: 131,072, 5x the FLOPs of its 8,192), so it warns."""
     config = hfconfig.load(path)
     try:
-        shape = model.TransformerShape(**{**config.fields, **base, **arch})
+        shape = TransformerShape(**{**config.fields, **base, **arch})
         bounds.check_shape(shape)
     except UserError as err:  # name the file whose values (or the flags over them) do not fit together
         raise UserError(f"{config.source}: {err}") from None
@@ -112,7 +113,7 @@ class _Size(NamedTuple):
     flops_per_sample: float | None = None  # forward+backward, counted on the meta device
 
 
-def _size(args: argparse.Namespace, shape: model.TransformerShape | None, shape_source: str) -> _Size:
+def _size(args: argparse.Namespace, shape: TransformerShape | None, shape_source: str) -> _Size:
     """The parameter count: --params, else the shape's, else a --model measured on the meta device."""
     if args.model and (args.params or shape):
         raise UserError("--model gives the size on its own; drop --params, --hf-config or the shape flags")
@@ -252,7 +253,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     size.add_argument("--params", help="parameter count: 7.5e9, 7.5B, 125M")
     size.add_argument("--model", help="a registered model name (or package.module:factory), built on the meta device")
     size.add_argument("--hf-config", metavar="PATH", help="a transformers config.json (llama, mistral, mixtral, "
-                                                          "qwen2, gpt2, gpt_neox), read offline; flags override it")
+                      "qwen2, qwen3, qwen3_moe, deepseek_v3, gemma2, phi3, gpt2, gpt_neox), read offline; flags "
+                      "override it")
     for attr, flag in _SHAPE_FLAGS:
         size.add_argument(flag, dest=attr, type=int, help="transformer shape (all five together)")
     _add_architecture(p)
@@ -339,12 +341,12 @@ def _add_architecture(p: argparse.ArgumentParser) -> None:
                                                    "head_dim, e.g. Mistral NeMo's 128)")
     arch.add_argument("--ffn-hidden", type=int, help="MLP width (default 4h; Llama's 8h/3 rounded up to 256 "
                                                      "with --mlp swiglu)")
-    arch.add_argument("--mlp", choices=model.MLPS, help="gelu: two matrices (default); swiglu: three")
+    arch.add_argument("--mlp", choices=MLPS, help="gelu: two matrices (default); swiglu: three")
     arch.add_argument("--untied-embeddings", dest="tied", action="store_const", const=False,
                       help="a separate output projection (V x h more parameters)")
-    arch.add_argument("--positions", choices=model.POSITIONS, help="learned (s x h parameters, default), rotary, alibi")
-    arch.add_argument("--norm", choices=model.NORMS, help="layernorm (default) or rmsnorm (no bias)")
-    arch.add_argument("--bias", choices=model.BIASES, help="linear-layer biases: all (default), qkv, none")
+    arch.add_argument("--positions", choices=POSITIONS, help="learned (s x h parameters, default), rotary, alibi")
+    arch.add_argument("--norm", choices=NORMS, help="layernorm (default) or rmsnorm (no bias)")
+    arch.add_argument("--bias", choices=BIASES, help="linear-layer biases: all (default), qkv, none")
     arch.add_argument("--experts", type=int, help="experts per MoE layer (default 1: a dense MLP)")
     arch.add_argument("--top-k", type=int, help="experts each token is routed to (default 1)")
     arch.add_argument("--no-dropout", dest="dropout", action="store_const", const=False,

@@ -38,7 +38,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         env = _world(args)
         cfg, assumed = _with_llm_defaults(args.config_args)
         cfg = _with_machine(cfg, args)
-        choice = choose(cfg, env)
+        if args.network_gbps is not None:  # NaN or a negative rate: refused before the search
+            bounds.check_number("--network-gbps", args.network_gbps, 1e6)
+        choice = choose(cfg, env, network_gbps=args.network_gbps)
     except HpctrainError as err:
         if args.json:  # --json always prints one object, the error's too; the error line still goes to stderr
             print(json.dumps(_error_json(err), indent=2))
@@ -163,5 +165,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense peak TFLOP/s at the run's precision, over the table's, or for a --gpu the table "
                         "lacks (with --gpu-memory-gb; sets parallel.target_peak_tflops)")
+    p.add_argument("--network-gbps", type=float, default=None, metavar="GBPS",
+                   help="the network between nodes, Gb/s per GPU (default: the GPU family's usual build, e.g. 400 "
+                        "for H100 SXM, 100 for L40S; docs/estimate.md)")
     p.add_argument("--json", action="store_true", help="print the machine, world and candidates as JSON")
     p.set_defaults(func=cmd_plan)

@@ -5,9 +5,9 @@ the meta-device measurement of a built model (:mod:`hpctrain.telemetry.measure`)
 """
 
 from hpctrain.estimate.gpu_memory import MemoryBreakdown, predict_rank_bytes
-from hpctrain.estimate.hardware import ACCELERATORS, Accelerator, lookup, peak_tflops
-from hpctrain.estimate.model import TransformerShape
 from hpctrain.estimate.sizing import Inputs, estimate
+from hpctrain.models.shape import TransformerShape
+from hpctrain.telemetry.accelerators import ACCELERATORS, Accelerator, lookup, peak_tflops
 
 __all__ = ["ACCELERATORS", "Accelerator", "Inputs", "MemoryBreakdown", "TransformerShape", "estimate", "lookup",
            "peak_tflops", "predict_rank_bytes"]

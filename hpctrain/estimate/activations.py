@@ -25,19 +25,21 @@ layers) and the largest is the peak.
 from __future__ import annotations
 
 from hpctrain.core.errors import UserError
-from hpctrain.estimate.model import TransformerShape, stage_layers
+from hpctrain.models.shape import TransformerShape, stage_blocks
 
 RECOMPUTE = ("none", "selective", "full")
 
 
 def layer_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
-                recompute: str = "none", element_bytes: int = 2, dropout: bool | None = None, cp: int = 1) -> float:
+                recompute: str = "none", element_bytes: int = 2, dropout: bool | None = None, cp: int = 1,
+                dense: bool = False) -> float:
     """Bytes one layer keeps for backward on one GPU (Korthikanti et al. 2022, table 2).
 
     ``dropout`` None follows the shape's. Beyond the paper's GPT: K and V are kv_dim wide
-    (grouped-query attention); the MLP keeps 2 tensors of its width (GeLU input and output)
-    or 4 for SwiGLU (gate, silu(gate), up, their product: what eager PyTorch saves), times
-    top_k for a mixture of experts (each token passes through k experts)."""
+    (grouped-query attention; MLA's up-projected per-head K and V, and its latents); the MLP keeps
+    2 tensors of its width (GeLU input and output) or 4 for SwiGLU (gate, silu(gate), up, their
+    product: what eager PyTorch saves), times top_k + shared experts for a mixture (each token passes
+    through them); ``dense``: one of a mixture's leading dense blocks (one MLP of ``dense_ffn``)."""
     if recompute not in RECOMPUTE:
         raise UserError(f"--activation-checkpointing {recompute!r} is not one of {', '.join(RECOMPUTE)}")
     dropout = shape.dropout if dropout is None else dropout
@@ -49,17 +51,26 @@ def layer_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, seque
         return e * sbh / replicated_divisor
     # eager torch.nn.RMSNorm keeps its normalized output as well as its input (LayerNorm's fused kernel only the input)
     norm_outputs = 2 * e if shape.norm == "rmsnorm" else 0
-    replicated = (4 * e + 2 * mask + norm_outputs) * sbh / replicated_divisor
+    # MLA's latents (the down-projections' outputs, whole on every tp rank) beside the block's inputs
+    replicated = (4 * e + 2 * mask + norm_outputs) * sbh / replicated_divisor + e * sb * shape.mla_latent
     # Q, K, V, projection input (q_dim: heads x head_dim); under cp, K and V gathered whole
-    attention = e * sb * 2 * shape.q_dim + e * sb * cp * 2 * shape.kv_dim
-    mlp_tensors = 4 if shape.mlp == "swiglu" else 2
-    split = (attention + e * sb * shape.ffn * mlp_tensors * shape.top_k) / tp
+    q, k, v, o = shape.attention_widths
+    attention = e * sb * (q + o) + e * sb * cp * (k + v)
+    split = (attention + e * sb * mlp_width(shape, dense) * (4 if shape.mlp == "swiglu" else 2)) / tp
     if recompute == "selective":
         return replicated + split
     # without dropout the softmax output is the only score tensor (no mask, no second copy)
     per_score = (2 * e + 1) if dropout else e
     scores = per_score * shape.heads * shape.seq_len ** 2 * micro_batch / cp
     return replicated + split + scores / tp
+
+
+def mlp_width(shape: TransformerShape, dense: bool = False) -> int:
+    """The MLP width a token's activations span in one block: a dense block's, or a mixture's top_k +
+    shared experts of ffn each."""
+    if dense:
+        return shape.dense_ffn or shape.ffn
+    return shape.ffn * (shape.top_k + shape.shared_experts)
 
 
 def stage_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, pp: int = 1,
@@ -69,15 +80,22 @@ def stage_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, pp: i
     stage i holds pp - i micro-batches of its own layers (the first holds pp, the last one),
     so with even stages the first holds L layers' worth whatever pp is."""
     kw = dict(tp=tp, sequence_parallel=sequence_parallel, element_bytes=element_bytes, dropout=dropout, cp=cp)
-    one = layer_bytes(shape, micro_batch, recompute=recompute, **kw)  # type: ignore[arg-type]
+    one = {d: layer_bytes(shape, micro_batch, recompute=recompute, dense=d, **kw)  # type: ignore[arg-type]
+           for d in (False, True)}
     # the layer being recomputed holds its full set during its backward
-    recomputing = layer_bytes(shape, micro_batch, recompute="none", **kw) if recompute == "full" else 0.0  # type: ignore[arg-type]
+    full = {d: layer_bytes(shape, micro_batch, recompute="none", dense=d, **kw)  # type: ignore[arg-type]
+            for d in (False, True)}
     dropout = shape.dropout if dropout is None else dropout
-    counts = stage_layers(shape.layers, pp)
-    return [(pp - i) * n * one + recomputing
-            + _ends_bytes(shape, micro_batch, tp=tp, pp=pp, stage=i, element_bytes=element_bytes, dropout=dropout,
-                          cp=cp)
-            for i, n in enumerate(counts)]
+    out = []
+    for i, blocks in enumerate(stage_blocks(shape.layers, pp)):
+        dense = sum(1 for b in blocks if shape.is_dense_block(b))
+        kinds = ([True] if dense else []) + ([False] if dense < len(blocks) else [])
+        recomputing = max(full[d] for d in kinds) if recompute == "full" else 0.0
+        held = (len(blocks) - dense) * one[False] + (dense * one[True] if dense else 0.0)
+        out.append((pp - i) * held + recomputing
+                   + _ends_bytes(shape, micro_batch, tp=tp, pp=pp, stage=i, element_bytes=element_bytes,
+                                 dropout=dropout, cp=cp))
+    return out
 
 
 def transformer_bytes(shape: TransformerShape, micro_batch: int, *, tp: int = 1, pp: int = 1,

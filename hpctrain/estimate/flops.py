@@ -13,7 +13,7 @@ and convolution FLOPs of one forward+backward with ``torch.utils.flop_counter``.
 
 from __future__ import annotations
 
-from hpctrain.estimate.model import TransformerShape
+from hpctrain.models.shape import TransformerShape
 
 PF_DAY = 1e15 * 86_400  # one PFLOP/s sustained for a day
 
@@ -23,9 +23,12 @@ def training_flops(params: float, tokens: float) -> float:
 
 
 def attention_flops(shape: TransformerShape, tokens: float) -> float:
-    """Score and value products, forward+backward: 3 x (2 matmuls x 2 FLOPs x s x heads·head_dim) per layer
-    and token (heads·head_dim is the hidden size unless a config's ``head_dim`` says otherwise)."""
-    return 12.0 * shape.layers * shape.q_dim * shape.seq_len * tokens
+    """Score and value products, forward+backward: 3 x 2 FLOPs x s x (the query-key width + the value
+    width) per layer and token: 12·s·heads·head_dim for ordinary attention (heads·head_dim is the hidden
+    size unless a config's ``head_dim`` says otherwise); MLA's QK products are heads x (nope + rope)
+    wide (DeepSeek-V3: 24,576) and its value products heads x v_head_dim (16,384). A local block
+    (Gemma 2's sliding window) attends to min(s, window) keys."""
+    return 6.0 * (shape.qk_dim + shape.v_dim) * shape.attention_span * tokens
 
 
 def model_flops(shape: TransformerShape, tokens: float) -> float:
@@ -46,7 +49,7 @@ def recompute_flops(shape: TransformerShape | None, params: float, tokens: float
     attention = attention_flops(shape, tokens) / 3 if shape is not None else 0.0
     if recompute == "selective":
         return attention
-    blocks = params if shape is None else shape.layers * shape.active_layer_params
+    blocks = params if shape is None else shape.active_blocks_params
     return 2.0 * blocks * tokens + attention
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from hpctrain.core.errors import UserError
 from hpctrain.estimate import activations
-from hpctrain.estimate.model import TransformerShape
+from hpctrain.models.shape import TransformerShape
 
 if TYPE_CHECKING:
     from torch import nn

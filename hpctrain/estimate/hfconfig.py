@@ -3,8 +3,10 @@
 Each family names the same quantities differently; a key with a documented transformers
 default (``num_key_value_heads``, ``tie_word_embeddings``, ``n_inner``, ``head_dim``) may be absent, any
 other missing key is an error naming the file and the key. What does not change the
-parameter count or the FLOPs (rotary fraction, rope theta, sliding windows, GPT-NeoX's
-parallel residual) is read by nobody.
+parameter count or the FLOPs (rotary fraction, rope theta, GPT-NeoX's parallel residual, a router's
+grouping, soft-capping's element-wise tanh) is read by nobody; a sliding window is read where it
+is a layer's attention span by design (Gemma 2's alternating local layers), not where it is an
+inference-time option (Mistral's, Phi-3's).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": _LLAMA,
     "mixtral": _LLAMA,
     "qwen2": {**_LLAMA, "bias": "qkv"},  # Qwen2 keeps biases on q, k and v
+    "qwen3": {**_LLAMA, "qk_norm": True},  # an RMSNorm of head width on each query and key head
+    "qwen3_moe": {**_LLAMA, "qk_norm": True},
+    "deepseek_v3": _LLAMA,  # MLA attention, dense leading blocks, shared + routed experts
+    "gemma2": {**_LLAMA, "block_norms": 4},  # GeGLU (three matrices), pre- and post-norms
+    "phi3": _LLAMA,  # fused qkv_proj and gate_up_proj: the same matrices, counted alike
     "gpt2": {},
     "gpt_neox": {"positions": "rotary"},
 }
@@ -124,7 +131,8 @@ def _dropout(path: str, config: dict[str, Any], *keys: str) -> bool:
 
 
 def _llama_like(path: str, config: dict[str, Any], family: str) -> dict[str, Any]:
-    """llama, mistral, mixtral, qwen2, gpt_neox: the hidden_size / num_attention_heads names.
+    """llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, deepseek_v3, gemma2, phi3, gpt_neox: the
+    hidden_size / num_attention_heads names.
     The context length is max_position_embeddings unless --seq-len says otherwise."""
     heads = _int(path, config, "num_attention_heads")
     fields: dict[str, Any] = {
@@ -141,7 +149,77 @@ def _llama_like(path: str, config: dict[str, Any], family: str) -> dict[str, Any
     if family == "mixtral":
         fields["experts"] = _int(path, config, "num_local_experts")
         fields["top_k"] = _int(path, config, "num_experts_per_tok")
-    return fields
+    return {**fields, **_FAMILY_FIELDS.get(family, lambda *_: {})(path, config, fields)}
+
+
+def _qwen3_moe(path: str, config: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE: ``num_experts`` MLPs of ``moe_intermediate_size`` in every ``decoder_sparse_step``-th
+    block not listed in ``mlp_only_layers``, the others one MLP of ``intermediate_size`` (counted as
+    leading blocks: the count is exact, a pipeline's split of them approximate)."""
+    layers, step = fields["layers"], _int_or(path, config, "decoder_sparse_step", 1)
+    only = config.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise UserError(f"--hf-config {path}: key 'mlp_only_layers' is {_short(only)}, expected a list of layer "
+                        "indices")
+    sparse = sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
+    if sparse == 0:
+        return {}
+    return {"experts": _int(path, config, "num_experts"), "top_k": _int(path, config, "num_experts_per_tok"),
+            "ffn_hidden": _int(path, config, "moe_intermediate_size"), "dense_layers": layers - sparse,
+            "dense_ffn": fields["ffn_hidden"]}
+
+
+def _deepseek_v3(path: str, config: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3: multi-head latent attention (every head its own up-projected key and value), the
+    first ``first_k_dense_replace`` blocks dense (``intermediate_size``), the rest ``n_routed_experts``
+    + ``n_shared_experts`` MLPs of ``moe_intermediate_size``. The multi-token-prediction module
+    (``num_nextn_predict_layers``) is not part of the model's 671B and is not counted."""
+    if config.get("moe_layer_freq", 1) != 1:
+        raise UserError(f"--hf-config {path}: key 'moe_layer_freq' is {_short(config.get('moe_layer_freq'))}; "
+                        "only 1 (every block after the dense ones a mixture) is supported")
+    q_lora = config.get("q_lora_rank")
+    mla = {"kv_lora_rank": _int(path, config, "kv_lora_rank"), "q_lora_rank": 0 if q_lora is None else
+           _int(path, config, "q_lora_rank"), "qk_rope_dim": _int(path, config, "qk_rope_head_dim"),
+           "head_dim": _int(path, config, "qk_nope_head_dim"), "v_head_dim": _int(path, config, "v_head_dim"),
+           "kv_heads": fields["heads"]}
+    dense = _int_or(path, config, "first_k_dense_replace", 0, least=0)
+    if dense > fields["layers"]:
+        raise UserError(f"--hf-config {path}: key 'first_k_dense_replace' ({dense}) exceeds num_hidden_layers "
+                        f"({fields['layers']})")
+    return {**mla, "experts": _int(path, config, "n_routed_experts"),
+            "top_k": _int(path, config, "num_experts_per_tok"),
+            "ffn_hidden": _int(path, config, "moe_intermediate_size"),
+            "shared_experts": _int_or(path, config, "n_shared_experts", 0, least=0), "dense_layers": dense,
+            "dense_ffn": fields["ffn_hidden"]}
+
+
+def _gemma2(path: str, config: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2: every other block (the even ones; or those ``layer_types`` names ``sliding_attention``)
+    attends to the last ``sliding_window`` tokens; tied embeddings unless the config says otherwise."""
+    types = config.get("layer_types")
+    if isinstance(types, list) and len(types) == fields["layers"]:
+        local = sum(1 for t in types if t == "sliding_attention")
+    else:
+        local = (fields["layers"] + 1) // 2
+    return {"tied": _bool(path, config, "tie_word_embeddings", True), "local_layers": local,
+            "sliding_window": _int(path, config, "sliding_window") if local else None}
+
+
+def _phi3(path: str, config: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3: Llama's matrices, fused; dropout under its own names."""
+    return {"dropout": fields["dropout"] or _dropout(path, config, "resid_pdrop", "embd_pdrop")}
+
+
+def _int_or(path: str, config: dict[str, Any], key: str, default: int, *, least: int = 1) -> int:
+    """An optional integer key (absent or null: ``default``); 0 allowed where ``least`` is 0."""
+    if config.get(key) is None:
+        return default
+    if least == 0 and config[key] == 0 and not isinstance(config[key], bool):
+        return 0
+    return _int(path, config, key)
+
+
+_FAMILY_FIELDS = {"qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3, "gemma2": _gemma2, "phi3": _phi3}
 
 
 def _gpt2(path: str, config: dict[str, Any]) -> dict[str, Any]:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hpctrain.core.errors import UserError
 from hpctrain.core.topology import Topology
 from hpctrain.estimate import activations, bounds, flops, gpu_memory, reliability, strategy_memory
-from hpctrain.estimate.model import TransformerShape, stage_layers, stage_params
+from hpctrain.models.shape import TransformerShape, stage_blocks, stage_layers, stage_params
 from hpctrain.telemetry.accelerators import PRECISIONS, Accelerator
 
 # --strategy names the table has no row for, that only the declaration sizes; and the table's ZeRO stages
@@ -290,9 +290,10 @@ def _stages(inp: Inputs) -> tuple[list[_Stage], str]:
                                             sequence_parallel=inp.sequence_parallel, recompute=_legacy(inp.recompute),
                                             element_bytes=e, cp=inp.cp))
         method = "Korthikanti et al. 2022 (transformer shape)"
-    expert_layer = shape.experts * shape.expert_params if shape.experts > 1 else 0
-    stages = [_Stage(i, n, held * scale, n * expert_layer * scale, a) for i, (n, held, a) in
-              enumerate(zip(stage_layers(shape.layers, inp.pp), stage_params(shape, inp.pp), acts, strict=True))]
+    routed = [sum(shape.routed_params(b) for b in blocks) for blocks in stage_blocks(shape.layers, inp.pp)]
+    stages = [_Stage(i, n, held * scale, experts * scale, a) for i, (n, held, experts, a) in
+              enumerate(zip(stage_layers(shape.layers, inp.pp), stage_params(shape, inp.pp), routed, acts,
+                            strict=True))]
     return stages, method
 
 
@@ -335,9 +336,34 @@ def _declared(inp: Inputs) -> dict[str, Any] | None:
             "stages": [m.total for m in stages]}
 
 
+def _declared_rows(inp: Inputs) -> dict[str, tuple[gpu_memory.MemoryBreakdown, int]] | None:
+    """The table's rows from the strategies' declaration (what the declared line and the planner
+    use), so the two cannot disagree: each strategy's busiest stage, its parts in the table's columns
+    (a pipeline stage's whole gradients among the gradients, its gathered parameters among the
+    gathered ones; the block being recomputed and the loss's buffers among the activations). None
+    without a shape and its sequence length: the ZeRO accounting of a bare parameter count."""
+    base = declared_inputs(inp)
+    if base is None:
+        return None
+    rows = {}
+    for name in gpu_memory.STRATEGIES:
+        strategy, stage = _DECLARED.get(name, (name, inp.deepspeed_stage))
+        m = strategy_memory.strategy_memory(replace(base, strategy=strategy, deepspeed_stage=stage))
+        rows[name] = (gpu_memory.MemoryBreakdown(
+            name, m.weights, m.gradients + m.pipeline_grads, m.optimizer,
+            m.gathered + m.pipeline_held - m.pipeline_grads, m.activations + m.recomputed + m.transient), m.stage)
+    return rows
+
+
 def _memory(inp: Inputs, layout: gpu_memory.StateLayout) -> dict[str, Any]:
     stages, method = _stages(inp)
-    largest = {s: _largest(inp, s, layout, stages) for s in gpu_memory.STRATEGIES}
+    declared = _declared_rows(inp)
+    if declared is not None:
+        largest = {s: (row, stages[i]) for s, (row, i) in declared.items()}
+        method = (f"the strategies' declaration: {method}, {inp.attention} attention; activations include the "
+                  "block being recomputed and the loss's buffers")
+    else:
+        largest = {s: _largest(inp, s, layout, stages) for s in gpu_memory.STRATEGIES}
     rows = {s: row for s, (row, _) in largest.items()}
     capacity = inp.gpu.memory_bytes
     pipeline = None

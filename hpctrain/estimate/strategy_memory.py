@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING
 from hpctrain.core.errors import UserError
 from hpctrain.core.topology import Topology
 from hpctrain.estimate import activations
+from hpctrain.estimate.activations import mlp_width
 from hpctrain.estimate.gpu_memory import PREFETCHED_LAYERS
-from hpctrain.models.shape import TransformerShape, stage_layers
+from hpctrain.models.shape import TransformerShape, stage_blocks, stage_layers
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
@@ -147,42 +148,72 @@ def check_inputs(inp: MemoryInputs) -> None:
 
 @dataclass(frozen=True)
 class _Held:
-    """One stage's parameters on one tensor-parallel rank (elements): the blocks', the rest's
-    (embedding, final norm, head: FSDP's root), one block's, and the tensors' sizes (DeepSpeed)."""
+    """One stage's parameters on one tensor-parallel (and expert-parallel) rank, in elements: the
+    blocks' (their routed experts among them), the rest's (embedding, final norm, head: FSDP's root),
+    the largest block's, and the tensors' sizes (DeepSpeed)."""
 
     blocks: float
     root: float
     layer: float
     layers: int
     tensors: tuple[float, ...]
+    experts: float = 0.0  # of ``blocks``: the routed experts this ep rank holds (sharded over dp / ep)
 
     @property
     def total(self) -> float:
         return self.blocks + self.root
 
 
-def _layer_tensors(shape: TransformerShape, tp: int) -> list[float]:
-    """One block's parameter tensors on a tp rank: matrices (and column-parallel biases) split,
-    norms and row-parallel biases (output projection, MLP down) whole."""
-    h, q, kv, f = shape.hidden, shape.q_dim, shape.kv_dim, shape.ffn
-    norms = [float(shape.norm_params // 2 if shape.norm == "layernorm" else shape.norm_params)] * (
-        4 if shape.norm == "layernorm" else 2)
-    matrices = [h * q, h * kv, h * kv, q * h] + [h * f] * (shape.mlp_matrices - 1) + [f * h]
-    tensors = [m / tp for m in matrices]
-    if shape.experts > 1:
-        tensors = tensors[:4] + [m / tp for m in matrices[4:]] * shape.experts + [float(h * shape.experts)]
-    biases: list[float] = []
+def _attention_tensors(shape: TransformerShape, tp: int) -> list[float]:
+    """One block's attention on a tp rank: its matrices split by heads, MLA's down-projections and
+    latent norms whole (as torchtitan's MLA plan keeps them), a per-head q/k norm whole."""
+    h = shape.hidden
+    per_norm = 2 if shape.norm == "layernorm" else 1
+    if shape.mla:
+        down = [float(h * shape.q_lora_rank), float(per_norm * shape.q_lora_rank)] if shape.q_lora_rank else []
+        q_up = shape.q_lora_rank or h
+        return down + [q_up * shape.qk_dim / tp, float(h * (shape.kv_lora_rank + shape.qk_rope_dim)),
+                       float(per_norm * shape.kv_lora_rank), shape.kv_lora_rank * (shape.q_dim + shape.v_dim) / tp,
+                       shape.v_dim * h / tp]
+    q, kv = shape.q_dim, shape.kv_dim
+    tensors = [h * q / tp, h * kv / tp, h * kv / tp, q * h / tp]
     if shape.bias in ("all", "qkv"):
-        biases += [q / tp, kv / tp, kv / tp]
+        tensors += [q / tp, kv / tp, kv / tp]
     if shape.bias == "all":
-        biases += [float(h)] + [f / tp] * (shape.mlp_matrices - 1) + [float(h)]
-    return tensors + biases + norms
+        tensors.append(float(h))
+    if shape.qk_norm:
+        tensors += [float(per_norm * shape.head_size)] * 2
+    return tensors
+
+
+def _mlp_tensors(shape: TransformerShape, width: int, tp: int) -> list[float]:
+    """One MLP of ``width`` on a tp rank: up (and gate) column-parallel, down row-parallel (its bias whole)."""
+    h = shape.hidden
+    tensors = [h * width / tp] * (shape.mlp_matrices - 1) + [width * h / tp]
+    if shape.bias == "all":
+        tensors += [width / tp] * (shape.mlp_matrices - 1) + [float(h)]
+    return tensors
+
+
+def _layer_tensors(shape: TransformerShape, tp: int, dense: bool = False, ep: int = 1) -> tuple[list[float], int]:
+    """One block's parameter tensors on a tp x ep rank, and how many of them (at the end) are routed
+    experts: matrices (and column-parallel biases) split by tp, norms and row-parallel biases whole;
+    a mixture's router and shared experts on every ep rank, its routed experts 1/ep of them each."""
+    h = shape.hidden
+    norm = shape.norm_params // 2 if shape.norm == "layernorm" else shape.norm_params
+    norms = [float(norm)] * (shape.block_norms * (2 if shape.norm == "layernorm" else 1))
+    tensors = _attention_tensors(shape, tp) + norms
+    if dense or not shape.moe:
+        return tensors + _mlp_tensors(shape, shape.dense_ffn or shape.ffn if dense else shape.ffn, tp), 0
+    tensors += [float(h * shape.experts)] + _mlp_tensors(shape, shape.ffn, tp) * shape.shared_experts
+    routed = _mlp_tensors(shape, shape.ffn, tp) * (shape.experts // ep)
+    return tensors + routed, len(routed)
 
 
 def _held(inp: MemoryInputs, stage: int) -> _Held:
-    shape, tp, pp = inp.shape, inp.topology.tp, inp.topology.pp
-    n = stage_layers(shape.layers, pp)[stage]
-    layer_tensors = _layer_tensors(shape, tp)
+    shape, tp, pp, ep = inp.shape, inp.topology.tp, inp.topology.pp, inp.topology.ep
+    blocks = stage_blocks(shape.layers, pp)[stage]
+    kinds = {d: _layer_tensors(shape, tp, d, ep) for d in {shape.is_dense_block(b) for b in blocks}}
     vocab_split = tp if inp.vocab_parallel else 1
     root: list[float] = []
     if stage == 0:
@@ -194,9 +225,12 @@ def _held(inp: MemoryInputs, stage: int) -> _Held:
         if not shape.tied or pp > 1:  # a tied head shares the embedding; split stages each hold one
             root.append(shape.vocab * shape.hidden / vocab_split)
     scale = 1.0 if inp.params is None else inp.params / shape.params
-    layer = sum(layer_tensors) * scale
-    tensors = tuple(t * scale for t in layer_tensors * n + root)
-    return _Held(blocks=n * layer, root=sum(root) * scale, layer=layer, layers=n, tensors=tensors)
+    per_block = [kinds[shape.is_dense_block(b)] for b in blocks]
+    sizes = [sum(tensors) * scale for tensors, _ in per_block]
+    experts = sum(sum(tensors[len(tensors) - routed:]) for tensors, routed in per_block if routed) * scale
+    tensors = tuple(t * scale for block, _ in per_block for t in block) + tuple(r * scale for r in root)
+    return _Held(blocks=sum(sizes), root=sum(root) * scale, layer=max(sizes), layers=len(blocks), tensors=tensors,
+                 experts=experts)
 
 
 # ---------------------------------------------------------------- bytes per element
@@ -252,16 +286,24 @@ def _shards(inp: MemoryInputs) -> dict[str, int]:
     return {"weights": 1, "grads": 1, "optimizer": 1}
 
 
+def _sharded(held: _Held, degree: int, ep: int) -> float:
+    """Elements one rank keeps of ``held`` split over ``degree`` ranks: the routed experts only over
+    the degree / ep of them that hold the same experts (expert parallelism takes its ranks from the
+    data-parallel ones), everything else over all ``degree``."""
+    return (held.total - held.experts) / degree + held.experts / max(1, degree // ep)
+
+
 def _stage(inp: MemoryInputs, stage: int) -> StrategyMemory:
-    held, b, d = _held(inp, stage), _bytes(inp), _shards(inp)
+    held, b, d, ep = _held(inp, stage), _bytes(inp), _shards(inp), inp.topology.ep
     n = held.total
-    weights = n * b.weights / d["weights"]
-    grads = n * b.grads / d["grads"]
-    optimizer = n * (b.master + 4 * inp.optimizer_elements) / d["optimizer"]
+    weights = _sharded(held, d["weights"], ep) * b.weights
+    grads = _sharded(held, d["grads"], ep) * b.grads
+    optimizer = _sharded(held, d["optimizer"], ep) * (b.master + 4 * inp.optimizer_elements)
     gathered = pipeline = pipeline_grads = offloaded = 0.0
     sharded = inp.strategy in ("fsdp", "hsdp") and inp.topology.dp_shard * inp.topology.cp > 1
     if inp.strategy == "deepspeed":
-        grads += n * 4 / inp.topology.dp if inp.deepspeed_stage == 1 and b.master else 0.0  # fp32 partition's
+        # fp32 partition's
+        grads += _sharded(held, inp.topology.dp, ep) * 4 if inp.deepspeed_stage == 1 and b.master else 0.0
         if inp.deepspeed_stage == 3:
             weights += sum(t for t in held.tensors if t < DS_PERSISTENCE) * b.weights
             gathered = min(PREFETCHED_LAYERS, held.layers) * held.layer * b.compute
@@ -313,42 +355,49 @@ def _activations(inp: MemoryInputs, stage: int) -> tuple[float, float, float]:
     # the MLP save their all-gathered input whole, where Megatron re-gathers it in backward
     gathered = 2 * e * sbh * (1 - 1 / topo.tp) if inp.sequence_parallel else 0.0
     kw = dict(tp=topo.tp, sequence_parallel=inp.sequence_parallel, element_bytes=e, cp=topo.cp)
+    blocks = stage_blocks(shape.layers, topo.pp)[stage]
+    dense = sum(1 for b in blocks if shape.is_dense_block(b))
+    kinds = {d: n for d, n in ((True, dense), (False, len(blocks) - dense)) if n}
     # flash attention saves no scores: the bytes of Korthikanti's selective recompute
-    whole = activations.layer_bytes(shape, inp.micro_batch, recompute="selective" if inp.attention == "flash"
-                                    else "none", **kw) + gathered  # type: ignore[arg-type]
+    whole = {d: activations.layer_bytes(shape, inp.micro_batch, recompute="selective" if inp.attention == "flash"
+                                        else "none", dense=d, **kw) + gathered  # type: ignore[arg-type]
+             for d in kinds}
     if inp.recompute in ("selective", "selective_op"):
-        layer = _kept_outputs(inp, every_other=inp.recompute == "selective_op")
+        layer = {d: _kept_outputs(inp, every_other=inp.recompute == "selective_op", dense=d) for d in kinds}
     elif inp.recompute == "full":
-        layer = activations.layer_bytes(shape, inp.micro_batch, recompute="full", **kw)  # type: ignore[arg-type]
+        layer = {d: activations.layer_bytes(shape, inp.micro_batch, recompute="full", dense=d, **kw)  # type: ignore[arg-type]
+                 for d in kinds}
     else:
         layer = whole
-    n, flight = stage_layers(shape.layers, topo.pp)[stage], in_flight(inp, stage)
-    held = flight * n * layer
+    flight = in_flight(inp, stage)
+    held = flight * sum(n * layer[d] for d, n in kinds.items())
     sbv = shape.seq_len * inp.micro_batch * shape.vocab / (topo.tp if inp.loss_parallel else 1) / topo.cp
     last = stage == topo.pp - 1
     if last:  # the final norm's input and output (eager RMSNorm: its normalized input too), fp32 log-softmax
         norm = 3 if shape.norm == "rmsnorm" else 2
         held += norm * e * sbh / (topo.tp if inp.sequence_parallel else 1) + 4 * sbv
-    recomputed = whole if inp.recompute != "none" else 0.0
+    recomputed = max(whole.values()) if inp.recompute != "none" else 0.0
     # the loss's two fp32 gradient buffers; a stage's received inputs and sent outputs of the
     # micro-batches in flight (the schedule's buffers, not tensors saved for backward)
     boundary = flight * e * sbh * ((stage > 0) + (not last))
     return held, recomputed, (8 * sbv if last else 0.0) + boundary
 
 
-def _kept_outputs(inp: MemoryInputs, *, every_other: bool) -> float:
+def _kept_outputs(inp: MemoryInputs, *, every_other: bool, dense: bool = False) -> float:
     """Selective recompute: a block keeps its input, its matmuls' outputs (all, or every other one
     in call order: q, k, v, o, the MLP's up matrices, down) and attention's output; the element-wise
     ops are recomputed. Column-parallel outputs are split by tp; the input and the row-parallel
     outputs (o, down: all-reduced whole) only under sequence parallelism."""
     shape, tp = inp.shape, inp.topology.tp
     rows = shape.seq_len * inp.micro_batch * PRECISION_BYTES[inp.precision] / inp.topology.cp
-    h, up = shape.hidden, shape.ffn * shape.top_k
-    matmuls = [(shape.q_dim, True), (shape.kv_dim, True), (shape.kv_dim, True), (h, False)]
+    h, up = shape.hidden, mlp_width(shape, dense)
+    q, k, v, _ = shape.attention_widths
+    matmuls = [(q, True), (k, True), (v, True), (h, False)]
     matmuls += [(up, True)] * (shape.mlp_matrices - 1) + [(h, False)]
     kept = matmuls[::2] if every_other else matmuls
     whole = h + sum(w for w, split in kept if not split)
-    split = shape.q_dim + sum(w for w, split in kept if split)  # attention's output is split by head
+    split = shape.v_dim + sum(w for w, split in kept if split)  # attention's output is split by head
+    whole += shape.mla_latent  # MLA's latents: the down-projections' outputs, whole on every tp rank
     return rows * (split / tp + whole / (tp if inp.sequence_parallel else 1))
 
 

@@ -80,7 +80,8 @@ class LlamaShape:
                                 vocab=self.vocab, kv_heads=self.kv, ffn_hidden=self.ffn, mlp="swiglu",
                                 tied=self.tie_weights, positions="rotary", norm="rmsnorm", bias="none",
                                 dropout=False, experts=self.moe.experts if self.moe else 1,
-                                top_k=self.moe.top_k if self.moe else 1)
+                                top_k=self.moe.top_k if self.moe else 1,
+                                shared_experts=1 if self.moe and self.moe.shared_expert else 0)
 
     @property
     def params(self) -> int:

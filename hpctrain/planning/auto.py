@@ -50,7 +50,6 @@ from hpctrain.core.topology import Topology
 from hpctrain.estimate import bounds
 from hpctrain.estimate.activations import layer_bytes
 from hpctrain.estimate.gpu_memory import PREFETCHED_LAYERS, StateLayout, compute_bytes, states_per_rank
-from hpctrain.estimate.model import stage_layers
 from hpctrain.estimate.render import sig3
 from hpctrain.estimate.strategy_memory import (
     MemoryInputs,
@@ -59,6 +58,7 @@ from hpctrain.estimate.strategy_memory import (
     recompute_of,
     strategy_memory,
 )
+from hpctrain.models.shape import stage_layers
 from hpctrain.planning.layout import make_layout, world_layout
 from hpctrain.planning.machine import Machine, detect_machine
 from hpctrain.planning.profile import Profile, builtin_shape, shape_profile
@@ -178,11 +178,12 @@ def resolve_auto(cfg: Config, env: ClusterEnv) -> Config:
     return choice.config
 
 
-def choose(cfg: Config, env: ClusterEnv) -> Choice:
-    """The fastest candidate that fits; ConfigError (exit 2) naming the smallest need when none does."""
+def choose(cfg: Config, env: ClusterEnv, *, network_gbps: float | None = None) -> Choice:
+    """The fastest candidate that fits; ConfigError (exit 2) naming the smallest need when none does.
+    ``network_gbps``: the network between nodes, Gb/s per GPU, over the GPU family's default."""
     check_sizes(cfg, env)
     prof = model_profile(cfg)
-    machine = detect_machine(cfg, env)
+    machine = detect_machine(cfg, env, network_gbps)
     total = global_batch(cfg, env.world_size)
     candidates: list[Candidate] = []
     rejected: dict[str, str] = {}
@@ -199,7 +200,9 @@ def choose(cfg: Config, env: ClusterEnv) -> Choice:
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise NoPlanFits(_none_fits(cfg, env, machine, candidates), min(candidates, key=lambda c: c.total), machine)
-    chosen = max(fitting, key=_rank)
+    # PCIe between a node's GPUs (L40S, H100 PCIe): tensor parallelism only where nothing else fits,
+    # whatever the nominal cost model says (its all-reduces sit on the critical path of every block)
+    chosen = max(fitting, key=lambda c: (not (machine.pcie and c.tp > 1), _rank(c)))
     return Choice(apply(cfg, chosen), chosen, sorted(candidates, key=_rank, reverse=True), rejected, machine,
                   total, prof.tokens_per_sample)
 
@@ -669,7 +672,10 @@ def _exposed_comm(cfg: Config, prof: Profile, machine: Machine, c: Candidate, co
     activation = shape.seq_len / c.cp * c.micro_batch * shape.hidden * e
     layers = _busiest(prof, c.tp, c.pp)[1]
     tp_time = 4 * 2 * (c.tp - 1) / c.tp * activation * layers * c.grad_accum / machine.intra
-    pp_time = (2 * activation * c.grad_accum / machine.intra) if c.pp > 1 else 0.0
+    # a stage's neighbour is dp x cp x tp ranks away (pp is the outermost dimension): across nodes once
+    # the job spans more than one
+    pp_link = machine.intra if c.dp * c.cp * c.tp * c.pp <= machine.local else machine.inter
+    pp_time = (2 * activation * c.grad_accum / pp_link) if c.pp > 1 else 0.0
     # cp: each block all-gathers the keys and values of the group (forward) and reduce-scatters their
     # gradients (backward), half of it hidden behind attention
     kv = 2 * shape.seq_len * c.micro_batch * shape.kv_dim * e / c.tp
@@ -789,7 +795,8 @@ def render(choice: Choice, assumed: list[str] | tuple[str, ...] = ()) -> str:
     scale = choice.tokens_per_sample or 1
     lines = [f"parallel.strategy=auto: {c.dp * c.tp * c.pp * c.cp} ranks ({m.local} per node), budget "
              f"{size(m.budget)} per rank on {m.name} ({size(m.usable)} usable, {m.attention} attention), global "
-             f"batch {choice.global_batch}",
+             f"batch {choice.global_batch}" + (f"; links: {m.intra_name} in a node, {m.network_name} between nodes"
+                                               if m.intra_name else ""),
              assumed_line(choice, assumed),
              f"  {'plan':<26} {'checkpointing':<13} {'micro x accum':>13} {'memory/rank':>12} {'fits':>4} "
              f"{'est. ' + rate:>16}"]

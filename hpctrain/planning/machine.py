@@ -13,11 +13,12 @@ Two sources, and the planner never mixes them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hpctrain.core.errors import UserError
 from hpctrain.core.section import ConfigError
+from hpctrain.planning.links import Links, links_for
 from hpctrain.telemetry.accelerators import ACCELERATORS, lookup
 
 if TYPE_CHECKING:
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from hpctrain.core.env import ClusterEnv
 
 UTILISATION = 0.4  # of the dense peak: the estimator's default MFU, the rate candidates are ranked at
-GPU_LINKS = (150e9, 20e9)  # bytes/s: NVLink within a node, the network between nodes (nominal)
 CPU_LINKS = (2e9, 2e9)  # gloo on a CPU
 CPU_FLOPS = 50e9  # a CPU rank's nominal rate
 UNKNOWN_GPU_FLOPS = 100e12  # a GPU the table does not know (40% of a nominal 250 TFLOP/s)
@@ -44,6 +44,13 @@ class Machine:
     inter: float
     local: int  # ranks per node: data parallelism within them uses the fast link
     target: str | None = None  # parallel.target_gpu when the machine was named, not detected
+    intra_name: str = ""  # the node's GPU link, in words ("NVLink 4 (450 GB/s ...)", "PCIe 4.0 x16 ...")
+    network_name: str = ""  # where the network figure came from
+
+    @property
+    def pcie(self) -> bool:
+        """The node's GPUs talk over PCIe: tensor parallelism there is the last resort."""
+        return self.intra_name.startswith("PCIe")
 
     @property
     def attention(self) -> str:
@@ -54,14 +61,32 @@ class Machine:
         return "flash"
 
 
-def detect_machine(cfg: Config, env: ClusterEnv) -> Machine:
-    """The named target (``parallel.target_gpu``), else this rank's device."""
+def detect_machine(cfg: Config, env: ClusterEnv, network_gbps: float | None = None) -> Machine:
+    """The named target (``parallel.target_gpu``), else this rank's device; ``network_gbps`` (Gb/s per
+    GPU between nodes, ``hpctrain plan --network-gbps``; a config's ``parallel.network_gbps`` where it
+    has one) over the GPU family's default network."""
+    network = network_gbps if network_gbps is not None else getattr(cfg.parallel, "network_gbps", None)
     if cfg.parallel.target_gpu is not None:
-        return target_machine(cfg, env)
-    return _local_machine(cfg, env)
+        return target_machine(cfg, env, network)
+    return _local_machine(cfg, env, network)
 
 
-def target_machine(cfg: Config, env: ClusterEnv) -> Machine:
+def _with_links(machine: Machine, links: Links) -> Machine:
+    return replace(machine, intra=links.intra, inter=links.inter, intra_name=links.intra_name,
+                   network_name=f"{links.network_gbps:g} Gb/s per GPU ({links.network_name})")
+
+
+def _key(name: str) -> str | None:
+    """The accelerator-table key of a part named by key, alias or device name."""
+    try:
+        gpu = lookup(name)
+    except UserError:
+        lowered = name.lower()
+        return next((k for k in ACCELERATORS if k.split("-")[0] in lowered), None)
+    return next(k for k, v in ACCELERATORS.items() if v is gpu)
+
+
+def target_machine(cfg: Config, env: ClusterEnv, network_gbps: float | None = None) -> Machine:
     """``parallel.target_gpu`` from the accelerator table; ConfigError for a name it lacks (unless
     both ``parallel.memory_budget_gb`` and ``parallel.target_peak_tflops`` describe the part)."""
     p = cfg.parallel
@@ -81,8 +106,9 @@ def target_machine(cfg: Config, env: ClusterEnv) -> Machine:
     budget = p.memory_budget_gb * 1e9 if p.memory_budget_gb is not None else budget
     peak = p.target_peak_tflops * 1e12 if p.target_peak_tflops is not None else peak
     flops = UTILISATION * peak if peak else UNKNOWN_GPU_FLOPS
-    return Machine("cuda", name, budget, budget * (1 - p.memory_margin), flops, *GPU_LINKS, env.local_world_size,
-                   target=p.target_gpu)
+    links = links_for(_key(p.target_gpu), network_gbps)
+    return _with_links(Machine("cuda", name, budget, budget * (1 - p.memory_margin), flops, 0.0, 0.0,
+                               env.local_world_size, target=p.target_gpu), links)
 
 
 def _check_precision(name: str, tflops: dict[str, float | None], precision: str, given: float | None) -> None:
@@ -102,7 +128,7 @@ def _table_peak(tflops: dict[str, float | None], precision: str) -> float:
     return 0.0 if peak is None else peak * 1e12
 
 
-def _local_machine(cfg: Config, env: ClusterEnv) -> Machine:
+def _local_machine(cfg: Config, env: ClusterEnv, network_gbps: float | None = None) -> Machine:
     """The budget (``parallel.memory_budget_gb``, else the GPU's total memory) and nominal rates."""
     import torch  # torch: only when the machine is this rank's own device
 
@@ -112,8 +138,9 @@ def _local_machine(cfg: Config, env: ClusterEnv) -> Machine:
         index = env.local_rank % torch.cuda.device_count()
         props = torch.cuda.get_device_properties(index)
         budget = budget_gb * 1e9 if budget_gb is not None else float(props.total_memory)
-        return Machine("cuda", props.name, budget, budget * margin, _gpu_flops(props.name, cfg.precision),
-                       *GPU_LINKS, env.local_world_size)
+        machine = Machine("cuda", props.name, budget, budget * margin, _gpu_flops(props.name, cfg.precision),
+                          0.0, 0.0, env.local_world_size)
+        return _with_links(machine, links_for(_key(props.name), network_gbps))
     if budget_gb is None:
         raise ConfigError("parallel.strategy=auto on CPU needs parallel.memory_budget_gb (the memory one rank may "
                           "use, in GB); hint: parallel.memory_budget_gb=8, or plan for a GPU with "

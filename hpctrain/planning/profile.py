@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hpctrain.config.model import ModelConfig
 from hpctrain.estimate.flops import attention_flops, model_flops
@@ -91,12 +92,14 @@ def llama_shape(cfg: ModelConfig) -> TransformerShape:
                             **_experts(cfg))
 
 
-def _experts(cfg: ModelConfig) -> dict[str, int]:
-    """A mixture of experts (``model.experts``, ``model.top_k``, where the config has them)."""
+def _experts(cfg: ModelConfig) -> dict[str, Any]:
+    """A mixture of experts (``model.experts``, ``model.top_k``, ``model.shared_expert``, where the
+    config has them)."""
     experts = int(getattr(cfg, "experts", 0) or 0)
     if experts <= 1:
         return {}
-    return {"experts": experts, "top_k": int(getattr(cfg, "top_k", 1) or 1)}
+    return {"experts": experts, "top_k": int(getattr(cfg, "top_k", 1) or 1),
+            "shared_experts": 1 if getattr(cfg, "shared_expert", False) else 0}
 
 
 # name -> (shape, whether tensor parallelism splits the ends by vocabulary, as the family's tensor plan does)

@@ -17,8 +17,8 @@ import pytest
 from hpctrain.cli import EXIT_PIPE, main
 from hpctrain.core.errors import UserError
 from hpctrain.estimate import flops
-from hpctrain.estimate.model import TransformerShape
 from hpctrain.estimate.render import count, sig3
+from hpctrain.models.shape import TransformerShape
 from hpctrain.telemetry.accelerators import lookup
 
 CONFIGS = Path(__file__).parent / "hf_configs"

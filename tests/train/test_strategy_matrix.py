@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hpctrain.estimate import gpu_memory as memory
-from hpctrain.estimate.model import stage_params
 from hpctrain.models import REGISTRY
 from hpctrain.models.llama import Llama, LlamaShape
+from hpctrain.models.shape import stage_params
 from hpctrain.weights.digest import params_sha256
 from tests.data.test_text import needs_sdist
 from tests.dist_utils import train_cases
