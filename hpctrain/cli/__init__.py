@@ -77,6 +77,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     _passive_omp()
     from hpctrain.evaluation.job import run_eval  # torch: only the eval command loads it
+    from hpctrain.parallel import checkpoint_formats  # noqa: F401  # torch: with eval; every format's view, by path
 
     start_rank()
 

@@ -243,6 +243,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace, path: Path) -> str:
     """Write what ``args`` asks of the checkpoint at ``path``; returns what was written, in words."""
+    # torch: export only (list and verify, a login node's, do not load it)
     from hpctrain.weights import adapters, frozen
     from hpctrain.weights.export import Written, write_stream
 

@@ -1,4 +1,4 @@
-"""``hpctrain run | slurm | doctor``: the launchers' subcommands."""
+"""``hpctrain run | slurm | k8s | doctor``: the launchers' subcommands."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hpctrain.core.atomic import atomic_write_text
 from hpctrain.core.errors import EXIT_PREEMPTED, UserError, io_error
 from hpctrain.core.protocol import program_signals, read_status
 from hpctrain.core.rundir import resolve_run_dir
-from hpctrain.launch import DEFAULT_HANG_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S, slurm
+from hpctrain.launch import DEFAULT_HANG_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S, k8s, slurm
 from hpctrain.launch.container import check_present, definition
 from hpctrain.launch.doctor import render_text, report, summarise
 from hpctrain.launch.program import user_program
@@ -26,9 +26,10 @@ from hpctrain.launch.slurm_jobs import cancel, status, submit
 
 
 def add_parser(sub: Any) -> None:
-    """Register ``run``, ``slurm`` (with ``status`` / ``cancel``) and ``doctor``."""
+    """Register ``run``, ``slurm`` (with ``status`` / ``cancel``), ``k8s`` and ``doctor``."""
     _add_run(sub)
     _add_slurm(sub)
+    _add_k8s(sub)
     _add_doctor(sub)
 
 
@@ -49,6 +50,12 @@ def _add_run(sub: Any) -> None:
                    help="seconds without progress before a rank counts as hung: stacks to RUN_DIR/hang-*/, "
                         "then a restart or exit 4 (first step, validation and saves get 3x; 0: off)")
     p.add_argument("--run-dir", type=Path, help="your own script: where hang reports go (default: .)")
+    p.add_argument("--preempted-exit", type=int, metavar="CODE",
+                   help="exit CODE instead of 3 after the ranks' preemption save (hpctrain k8s: the training "
+                        "operator retries only exit codes >= 128)")
+    p.add_argument("--max-preemptions", type=int, metavar="K",
+                   help="with --preempted-exit: only while the run was preempted at most K times (counted in "
+                        "RUN_DIR/k8s-preemptions.json), then exit 3")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [ARGS]",
                    help="run a Python module on each rank, as torchrun -m / python -m would")
     p.add_argument("command", nargs=argparse.REMAINDER,
@@ -72,10 +79,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     # save (a repeated warning) cannot end the launcher with 138 before it reports their exit 3
     keep_signals(signal_names(cfg.checkpoint))
     started, run_dir = time.time(), resolve_run_dir(cfg.run.dir, cfg)
+    _check_preempted_exit(args)
     code = launch(args.nproc, rest, max_restarts=args.max_restarts, nnodes=args.nnodes, node_rank=args.node_rank,
                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, signals=cfg.checkpoint.signals,
                   shutdown_timeout=args.shutdown_timeout, hang_timeout_s=args.hang_timeout, run_dir=run_dir)
-    return _launcher_exit_code(run_dir, code, started) if rest[0] == "train" else code
+    if rest[0] != "train":
+        return code
+    code = _launcher_exit_code(run_dir, code, started)
+    if code == EXIT_PREEMPTED and args.preempted_exit is not None:
+        return k8s.preempted_exit(run_dir, args.preempted_exit, args.max_preemptions)
+    return code
+
+
+def _check_preempted_exit(args: argparse.Namespace) -> None:
+    if args.preempted_exit is not None and not 1 <= args.preempted_exit <= 255:
+        raise UserError(f"--preempted-exit {args.preempted_exit} must be an exit code within 1..255")
+    if args.max_preemptions is not None and (args.max_preemptions < 0 or args.preempted_exit is None):
+        raise UserError(f"--max-preemptions {args.max_preemptions} must be >= 0 and goes with --preempted-exit")
 
 
 def _launcher_exit_code(run_dir: Path, code: int, since: float) -> int:
@@ -253,6 +273,73 @@ def _slurm_status(run_dir: Path, as_json: bool) -> int:
 
 def _slurm_cancel(run_dir: Path) -> int:
     print(f"cancelled job {cancel(run_dir)}")
+    return 0
+
+
+# ---------------------------------------------------------------- k8s
+
+
+def _add_k8s(sub: Any) -> None:
+    p = sub.add_parser("k8s", help="write (and apply) a Kubernetes PyTorchJob or JobSet for the same job",
+                       description="hpctrain k8s [CONFIG] [key=value ...] --nodes N --image IMAGE --pvc CLAIM "
+                                   "[options] [--dry-run]: one pod per node running hpctrain run; without "
+                                   "--dry-run the manifest goes to RUN_DIR/" + k8s.MANIFEST_NAME + " and, with "
+                                   "kubectl on PATH, through kubectl apply (docs/cluster.md, Kubernetes)")
+    p.add_argument("config_args", nargs="*", metavar="[CONFIG] [key=value]")
+    p.add_argument("--kind", choices=list(k8s.KINDS), default=k8s.DEFAULT_KIND,
+                   help="pytorchjob (Kubeflow training operator v1, default) or jobset (JobSet v0.6+)")
+    p.add_argument("--nodes", type=int, help="pods, one per node")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="nvidia.com/gpu per pod = ranks per pod")
+    p.add_argument("--nproc-per-node", type=int, help="ranks per pod without GPUs (default 1)")
+    p.add_argument("--image", help="container image with hpctrain and torch, e.g. registry.example.com/me/hpctrain:1")
+    p.add_argument("--pvc", help="PersistentVolumeClaim (ReadWriteMany) every pod mounts: the run directory")
+    p.add_argument("--pvc-path", default=k8s.DEFAULT_PVC_PATH, help="where the claim is mounted; a relative "
+                                                                    "run.dir goes under it")
+    p.add_argument("--cpu", help="CPUs per pod (requests = limits), e.g. 32; OMP_NUM_THREADS = this / ranks")
+    p.add_argument("--memory", help="memory per pod (requests = limits), e.g. 200Gi")
+    p.add_argument("--shm-size", help="/dev/shm for loader workers (a memory emptyDir), e.g. 16Gi (default: "
+                                      "bounded by the pod's memory)")
+    p.add_argument("--name", help="the job's name (default hpctrain-<run dir name>)")
+    p.add_argument("--namespace")
+    p.add_argument("--max-restarts", type=int, default=3, help="restart a preempted job at most K times")
+    p.add_argument("--grace", type=int, help="seconds the ranks get to save after SIGTERM (default: measured "
+                                             "save time x 2 + one validation + 90, else 300)")
+    p.add_argument("--port", type=int, default=k8s.DEFAULT_PORT, help="rendezvous port of pod 0")
+    p.add_argument("--python", default="python3", help="interpreter in the image")
+    p.add_argument("--env", action="append", default=[],
+                   help="NAME=VALUE set in the pods (written into the manifest), or NAME: from this environment "
+                        "through the Secret <name>-env, written nowhere (repeatable); credentials only as NAME")
+    p.add_argument("--dry-run", action="store_true", help="print the manifest, write and apply nothing")
+    p.set_defaults(func=cmd_k8s)
+
+
+def cmd_k8s(args: argparse.Namespace) -> int:
+    missing = [f"--{name}" for name in ("nodes", "image", "pvc") if getattr(args, name) is None]
+    if missing:
+        raise UserError(f"hpctrain k8s needs {', '.join(missing)}; e.g. --nodes 2 --image "
+                        "registry.example.com/me/hpctrain:1 --pvc shared-runs")
+    opts = k8s.K8sOptions(
+        nodes=args.nodes, image=args.image, pvc=args.pvc, kind=args.kind, gpus_per_node=args.gpus_per_node,
+        nproc_per_node=args.nproc_per_node, cpu=args.cpu, memory=args.memory, shm_size=args.shm_size,
+        pvc_path=args.pvc_path, name=args.name, namespace=args.namespace, max_restarts=args.max_restarts,
+        grace_s=args.grace, port=args.port, python=args.python, env=tuple(args.env))
+    job = k8s.k8s_job(opts, args.config_args)
+    text = k8s.dump(k8s.render(job))
+    if args.dry_run:
+        sys.stdout.write(text)
+        if job.passed:
+            print(f"# --env {' '.join(job.passed)}: hpctrain k8s creates the Secret {job.secret_name} from this "
+                  f"environment when it applies the manifest; by hand: {k8s.secret_hint(job)}")
+        return 0
+    path = k8s.write_manifest(job, text)
+    kubectl = k8s.find_kubectl()
+    if kubectl is None:
+        secret = f"; first: {k8s.secret_hint(job)}" if job.passed else ""
+        print(f"wrote {path}; kubectl is not on PATH here: apply it with kubectl apply -f {path}{secret}")
+        return 0
+    for line in k8s.apply(job, path, os.environ, kubectl):
+        print(line)
+    print(f"applied {path}; pods: kubectl get pods -l app.kubernetes.io/instance={job.name}")
     return 0
 
 

@@ -96,7 +96,8 @@ CONFIG, SCRIPT = "config.yaml", "hpctrain.sbatch"
 # that is running now stay.
 REPLACED = ("summary.json", "model.pt", "metrics.jsonl", "tensorboard", "profile", "report", "eval.json",
             "predictions.jsonl")
-OWN_NAMES = (*REPLACED, CONFIG, STATUS, CHECKPOINTS, MARKER, LOCK, "wandb", SCRIPT, "slurm-jobs.json")
+OWN_NAMES = (*REPLACED, CONFIG, STATUS, CHECKPOINTS, MARKER, LOCK, "wandb", SCRIPT, "slurm-jobs.json",
+             "hpctrain-k8s.yaml", "k8s-preemptions.json")
 OWN_PATTERNS = ("slurm-*.out", "slurm-*.err", "hang-*", ".*.tmp-*")
 # Never a run directory: writing there would mix a run with a system's or a user's own files.
 SYSTEM_ROOTS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",

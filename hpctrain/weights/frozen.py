@@ -168,7 +168,8 @@ def read_base_record(path: Path) -> dict[str, Any] | None:
     manifest = layout.read_manifest(path)
     if isinstance(manifest.get(RECORD), dict):
         return dict(manifest[RECORD])
-    from hpctrain.checkpoint.checkpointer import load_file  # the skeleton: tensors stand as names there
+    # torch: only for a checkpoint whose manifest lacks the record (the skeleton's weights-only load)
+    from hpctrain.checkpoint.checkpointer import load_file
     from hpctrain.checkpoint.state import REPLICATED
 
     if REPLICATED not in manifest["files"]:

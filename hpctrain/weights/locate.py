@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.view import manifest_format, view_class
-from hpctrain.parallel import checkpoint_formats  # noqa: F401  # hpctrain's formats by import path (torch-free)
 
 if TYPE_CHECKING:
     from hpctrain.weights.export import Source

@@ -44,7 +44,8 @@ def test_the_job_script_runs_the_program_with_the_chosen_signal(script: Path, tm
     text = render(plan)
     assert plan.run_dir == tmp_path / "runs" / "mine" and plan.program == (str(script), "--epochs", "3")
     assert f"export {SIGNALS_ENV}=SIGHUP,SIGTERM" in text
-    assert "#SBATCH --signal=B:HUP@" in text and "trap 'forward HUP; scancel --signal=HUP \"$SLURM_JOB_ID\"' HUP" in text
+    assert "#SBATCH --signal=B:HUP@" in text
+    assert "trap 'forward HUP; scancel --signal=HUP \"$SLURM_JOB_ID\"' HUP" in text
     step = text[text.index("srun "):text.index(" &\n")]
     assert '--run-dir="$RUN_DIR"' in step and step.endswith(f"{script} --epochs 3") and " train " not in step
     path = tmp_path / "job.sh"
