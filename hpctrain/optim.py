@@ -44,7 +44,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.opti
     groups = param_groups(params, cfg)
     # torch's multi-tensor kernels also on the CPU (its default there is a Python loop over the tensors):
     # the same numbers bit for bit (tests/train/test_step_cost.py), a few ms less per step on a small model
-    foreach = True if all(p.device.type in ("cpu", "cuda") for p in params) else None
+    # (not over DTensors: tensor parallel's shards beside whole tensors would meet in one fused kernel)
+    foreach = True if all(p.device.type in ("cpu", "cuda") and type(p).__name__ != "DTensor" for p in params) \
+        else None
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                weight_decay=cfg.weight_decay, foreach=foreach)

@@ -154,6 +154,8 @@ class GPT(nn.Module):
         documents, attended and positioned each on its own (hpctrain.models.attention). Under
         context parallel the logits are those of this rank's chunks of the sequence."""
         x, ctx = (tokens, None) if self.tok_emb is None else self._embed(tokens, doc_ids)
+        if self.tok_emb is None and doc_ids is not None:  # a later pipeline stage: the context from the ids
+            ctx = prepare(doc_ids, doc_ids)[1]
         for block in self.blocks:
             # the context as a keyword only when there is one: a plain forward calls blocks as before
             x = block(x) if ctx is None else block(x, attn=ctx)

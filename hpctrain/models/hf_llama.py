@@ -12,6 +12,12 @@ key/value heads runs the same code on its shard; rotary positions are per head, 
 No ``transformers`` import here: the classes are matched by name (context parallel imports it
 when applied: a Hugging Face model is there).
 
+Packed documents (``data.packing=documents``): :func:`takes_document_positions` says a model
+(PEFT-wrapped too) masks by per-document ``position_ids`` (transformers' packing collator's: with no
+``attention_mask`` transformers >= 4.53 finds the documents where the positions restart and masks
+block-diagonally; flash-attention runs its varlen kernel); :mod:`hpctrain.tasks.inputs` passes them.
+A pipeline stage (:class:`CausalLMStage`) takes the ``doc_ids`` themselves and builds that mask.
+
 Context parallel (:func:`use_split`): the attention layers run :func:`split_attention`, an
 attention function registered with ``transformers``' ``AttentionInterface`` that gathers the keys
 and values over the split (hpctrain.models.attention), and a forward pre-hook keeps this rank's
@@ -25,7 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpctrain.models.attention import SPLIT_ATTR, AttentionContext, SequenceSplit, attend, prepare
+from hpctrain.models.attention import (
+    SPLIT_ATTR,
+    AttentionContext,
+    SequenceSplit,
+    attend,
+    document_positions,
+    prepare,
+)
 
 CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -46,6 +59,27 @@ def is_llama_family(model: nn.Module) -> bool:
     return type(model).__name__ in CLASSES
 
 
+def takes_document_positions(model: nn.Module) -> bool:
+    """Does ``model`` (a Llama-family model, or a PEFT model around one) mask packed documents by
+    ``position_ids`` restarting at each? Not under context parallel (its hook sets the positions),
+    nor with a transformers that has no packed-sequence masks (older than 4.53: it would cross them)."""
+    get_base = getattr(model, "get_base_model", None)  # a PEFT model: the transformers model inside
+    base = get_base() if callable(get_base) else model
+    if not isinstance(base, nn.Module) or not is_llama_family(base):
+        return False
+    if any(hasattr(m, SPLIT_ATTR) for m in base.modules()):
+        return False
+    return _packed_masks()
+
+
+def _packed_masks() -> bool:
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
 class CausalLMStage(nn.Module):
     """One pipeline stage of a cut Hugging Face Llama-family model: its decoder layers, plus the
     embedding on the first stage and the final norm and ``lm_head`` on the last (the others are
@@ -53,8 +87,10 @@ class CausalLMStage(nn.Module):
     the whole model's and a checkpoint or export of the stages is the whole model's.
 
     Takes token ids (first stage) or hidden states, returns hidden states or the logits (last).
-    Runs the layers as ``LlamaModel.forward`` does for a training batch (no padding mask, no
-    cache): positions ``0..T-1``, causal attention (a None mask under SDPA is causal)."""
+    Runs the layers as ``LlamaModel.forward`` does for a training batch (no cache): positions
+    ``0..T-1``, causal attention (a None mask under SDPA is causal); with packed documents'
+    ``doc_ids`` (every stage gets them) positions restarting per document and a block-diagonal
+    causal mask; with an ``attention_mask`` (1: a real token) padding keys masked too."""
 
     def __init__(self, cut: nn.Module) -> None:
         super().__init__()
@@ -62,12 +98,15 @@ class CausalLMStage(nn.Module):
         self.lm_head = getattr(cut, "lm_head", None)
         self.config = getattr(cut, "config", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         embed, norm = self._part("embed_tokens"), self._part("norm")
         hidden = x if embed is None else embed(x)
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions = (torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) if doc_ids is None
+                     else document_positions(doc_ids))
         rotary = self.model.get_submodule("rotary_emb")(hidden, positions)
-        mask = self._mask(hidden)
+        mask = self._mask(hidden) if doc_ids is None and attention_mask is None else \
+            _block_mask(hidden, doc_ids, attention_mask)
         for layer in self.model.get_submodule("layers").children():
             out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
             hidden = out[0] if isinstance(out, tuple) else out  # older transformers return a tuple
@@ -87,6 +126,22 @@ class CausalLMStage(nn.Module):
         t = hidden.shape[1]
         blocked = torch.full((t, t), torch.finfo(hidden.dtype).min, device=hidden.device, dtype=hidden.dtype)
         return blocked.triu(1)[None, None]
+
+
+def _block_mask(hidden: torch.Tensor, doc_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+                ) -> torch.Tensor:
+    """The additive ``(B, 1, T, T)`` mask: an earlier (or the same) token, of the same document, not
+    padding. The dtype's minimum, not -inf, as transformers' own masks: a padding query that sees
+    no key gets a uniform row instead of nan (its output counts nowhere)."""
+    t = hidden.shape[1]
+    index = torch.arange(t, device=hidden.device)
+    allowed = (index[None, :] <= index[:, None])[None]
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, :].bool()
+    blocked = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
+    return blocked.masked_fill_(~allowed, torch.finfo(hidden.dtype).min)[:, None]
 
 
 # ---------------------------------------------------------------- context parallel

@@ -211,6 +211,8 @@ class Llama(nn.Module):
         ctx = None
         if self.tok_emb is not None:
             tokens, ctx = prepare(tokens, doc_ids, split_of(self))
+        elif doc_ids is not None:  # a later pipeline stage: hidden states in, the documents' context from their ids
+            ctx = prepare(doc_ids, doc_ids)[1]
         x = tokens if self.tok_emb is None else self.tok_emb(tokens)
         for block in self.blocks:
             # the context as a keyword only when there is one: a plain forward calls blocks as before

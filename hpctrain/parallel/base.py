@@ -38,7 +38,7 @@ from hpctrain.parallel.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.clip import clip_grad_norm_
 from hpctrain.parallel.context import ContextParallel, check_context_parallel, context_parallel_of
 from hpctrain.parallel.mesh import build_mesh, dp_group
-from hpctrain.parallel.meta import on_meta
+from hpctrain.parallel.meta import build_structure, meta_copy, on_meta, whole_from_rank0
 from hpctrain.parallel.state import ModelState, ShardedState, WholeState
 from hpctrain.precision import Precision
 from hpctrain.tasks.metrics import Metric
@@ -131,6 +131,11 @@ class Strategy:
         return self.skeleton if self.skeleton is not None else on_meta(factory)
 
     def build_model(self, factory: Factory) -> nn.Module:
+        if self.env.distributed and self.topology.model_split:
+            built = build_structure(factory, seed=self.seed)
+            if built.loaded:  # a factory that loads weights (from_pretrained): rank 0's, sent to every rank
+                self.skeleton = meta_copy(built.skeleton)
+                return self.parallelize(whole_from_rank0(built, device=self.device))
         torch.manual_seed(self.seed)
         return self.parallelize(factory().to(self.device))
 

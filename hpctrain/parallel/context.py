@@ -46,7 +46,7 @@ from hpctrain.models.family import family_of
 from hpctrain.models.outputs import logits_of
 from hpctrain.models.registry import build_model
 from hpctrain.models.user import CAUSAL_LM
-from hpctrain.parallel.meta import on_meta
+from hpctrain.parallel.meta import meta_structure
 from hpctrain.tasks.inputs import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -159,9 +159,8 @@ class ContextParallel:
     def apply(self, model: nn.Module) -> nn.Module:
         """The model computes its share of each sequence; in eval mode it returns whole logits."""
         plan = family_of(model).context_parallel
-        if plan is None:
-            raise ValueError(f"{type(model).__name__} has no context-parallel plan (model family "
-                             f"{family_of(model).name!r})")
+        if plan is None:  # a factory that loads weights is checked here, after start (no meta build before)
+            raise ConfigError(_no_plan(f"parallel.cp={self.split.size}", type(model).__name__, family_of(model).name))
         plan(model, self.split)
         model.register_forward_hook(_gather_logits(self.split))
         return model
@@ -223,12 +222,16 @@ def check_context_parallel(cfg: Config, topology: Topology) -> None:
 
 
 def _check_family(cfg: Config, cp: int) -> None:
-    """The model's family must have a context-parallel plan (built on meta: no memory)."""
+    """The model's family must have a context-parallel plan (built on meta: no memory; a factory that
+    loads weights has no meta build: :meth:`ContextParallel.apply` checks rank 0's structure after start)."""
     name = cfg.model.name
     task = CAUSAL_LM if ":" in name else None
-    model = on_meta(lambda: build_model(name, cfg.model.num_classes or None, config=cfg.model, task=task))
-    family = family_of(model)
-    if family.context_parallel is None:
-        raise ConfigError(f"parallel.cp={cp} cannot split model.name={name} (model family {family.name!r} has no "
-                          "context-parallel plan); hint: gpt, llama or a Hugging Face Llama/Mistral/Qwen2, or "
-                          "parallel.cp=1")
+    model = meta_structure(lambda: build_model(name, cfg.model.num_classes or None, config=cfg.model, task=task))
+    family = family_of(model) if model is not None else None
+    if family is not None and family.context_parallel is None:
+        raise ConfigError(_no_plan(f"parallel.cp={cp}", f"model.name={name}", family.name))
+
+
+def _no_plan(what: str, model: str, family: str) -> str:
+    return (f"{what} cannot split {model} (model family {family!r} has no context-parallel plan); hint: gpt, "
+            "llama or a Hugging Face Llama/Mistral/Qwen2, or parallel.cp=1")

@@ -9,7 +9,15 @@ A factory that loads weights (``from_pretrained``, ``torch.load``, a safetensors
 the meta device (Hugging Face's ``from_pretrained`` does). Then :func:`build_structure` calls it on
 rank 0 only, in host memory, and sends the other ranks its structure as a meta copy (pickled, no
 weights): every rank shards that, and rank 0's loaded weights go into the shards. No rank but rank
-0 ever holds or reads the whole model.
+0 ever holds or reads the whole model. Tensor, pipeline and context parallel take the same path:
+:func:`load_from_rank0` sends rank 0's tensors one at a time into each rank's pipeline stage(s)
+(named as in the whole model) or tensor-parallel shards, and :func:`whole_from_rank0` gives every
+rank rank 0's whole model (a data-parallel wrapper wants whole modules before it cuts nothing).
+
+Before the process group the checks of tp, pp and cp read the model's layout on meta
+(:func:`meta_structure`); a factory that loads weights has none to read there (None), so those
+checks run after start instead, on the structure rank 0 sends, identical on every rank (the same
+exit-2 error everywhere, no rank left waiting).
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from hpctrain.core.errors import HpctrainError
 from hpctrain.models.user import ModelError
 from hpctrain.telemetry.measure import on_meta
 
-__all__ = ["Structure", "build_structure", "materialize", "meta_copy", "on_meta"]
+__all__ = ["Structure", "build_structure", "load_from_rank0", "materialize", "meta_copy", "meta_structure", "on_meta",
+           "whole_from_rank0"]
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -61,6 +70,16 @@ def build_structure(factory: Callable[[], nn.Module], *, seed: int) -> Structure
         raise box[0]
     assert isinstance(box[0], nn.Module)
     return Structure(box[0], full, loaded=True)
+
+
+def meta_structure(factory: Callable[[], nn.Module]) -> nn.Module | None:
+    """``factory()`` on meta (no memory), or None when it refuses the meta device: a factory that
+    loads weights (Hugging Face's ``from_pretrained`` raises there), whose structure only building
+    it tells; the checks that read it then run on rank 0's structure after start."""
+    try:
+        return on_meta(factory)
+    except Exception:  # noqa: BLE001 - any refusal on meta: not knowable without loading the weights
+        return None
 
 
 def _build_on_rank0(factory: Callable[[], nn.Module], seed: int) -> tuple[nn.Module | None, object]:
@@ -107,6 +126,66 @@ def materialize(model: nn.Module, *, device: torch.device, factory: Callable[[],
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
     _broadcast_other_buffers(model, full, device)
+
+
+def whole_from_rank0(built: Structure, *, device: torch.device) -> nn.Module:
+    """Every rank's copy of rank 0's loaded model (``built.full``; the others materialize the
+    structure and receive its tensors): for strategies that replicate whole modules before a
+    wrapper (DDP) sees them. Collective."""
+    model = built.full if built.full is not None else built.skeleton
+    if built.full is None:
+        aliases = _aliases(model)
+        model.to_empty(device=device)
+        _retie(model, aliases)
+    model = model.to(device)
+    _send_tensors(built.full, _named_tensors(model), device)
+    return model
+
+
+def load_from_rank0(model: nn.Module, full: nn.Module | None, *, device: torch.device,
+                    name_of: Callable[[str], str] | None = None) -> None:
+    """Give ``model`` (on meta: a pipeline stage or stages, tensor-parallel DTensors, FSDP shards)
+    rank 0's ``full`` model's parameters and buffers (persistent or not). ``name_of`` maps a name
+    in ``model`` to the whole model's (a stage's blocks are renumbered); a tensor ``model`` does not
+    hold is received and dropped. One tensor at a time: no rank holds more than one whole tensor
+    beside its own part. Collective (every rank, ``full`` on rank 0 only)."""
+    aliases = _aliases(model)
+    model.to_empty(device=device)
+    _retie(model, aliases)
+    rename = name_of or (lambda name: name)
+    _send_tensors(full, {rename(name): t for name, t in _named_tensors(model).items()}, device)
+
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers (non-persistent ones too) by their clean names (wrappers' prefixes dropped)."""
+    return {_clean(name): t for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
+
+
+def _send_tensors(full: nn.Module | None, targets: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Rank 0's tensors of ``full`` broadcast one by one; each rank copies those ``targets`` names."""
+    sources = _named_tensors(full) if full is not None else {}
+    box: list[object] = [[(name, tuple(t.shape), t.dtype) for name, t in sources.items()]]
+    dist.broadcast_object_list(box, src=0)
+    wire = _collective_device(device)
+    for name, shape, dtype in box[0]:  # type: ignore[attr-defined]
+        staged = sources[name].detach().to(wire) if name in sources else torch.empty(shape, dtype=dtype, device=wire)
+        dist.broadcast(staged, src=0)
+        target = targets.get(name)
+        if target is not None:
+            with torch.no_grad():
+                _copy_whole(target, staged)
+
+
+def _copy_whole(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """``whole`` into ``target``: itself, or this rank's shard of it when ``target`` is a DTensor
+    (cut locally, as the DTensor's placements say: every rank holds the whole tensor already)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        local = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(local.to_local())
+    else:
+        target.copy_(whole)
 
 
 def _aliases(model: nn.Module) -> list[tuple[str, str]]:

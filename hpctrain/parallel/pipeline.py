@@ -13,6 +13,11 @@ after it after it, and ``forward`` skips a child that is None and takes hidden s
 of token ids when the embeddings are gone. A stage keeps the whole model's parameter names
 (its blocks renumbered from 0). Tied weights between the two ends are not supported (each end
 would train its own copy).
+
+Dict inputs (packed documents' ``{tokens, doc_ids}``, ``{input_ids, attention_mask}``): the main
+input enters the first stage, the others its forward names reach every stage as keyword
+arguments (the schedule splits them into the same micro-batches), so each stage masks its
+attention as the whole model does in one process (:func:`hpctrain.tasks.inputs.stage_inputs`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from hpctrain.models.family import PipelineSplit, family_of
 from hpctrain.models.shape import stage_layers
+from hpctrain.tasks.inputs import forward_names, stage_inputs
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -144,6 +150,7 @@ class PipelineStep:
         # all-reduce over every rank, so all stages skip an overflowed step together). The
         # loss is scaled inside the schedule's loss function: backward starts from it there.
         self.grad_scaler: torch.amp.GradScaler | None = None
+        self.signature = forward_names(self.modules[0])  # every stage module's forward is the same one
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (all its stages): give these to the optimizer."""
@@ -162,37 +169,39 @@ class PipelineStep:
             parts[depth] = str(int(parts[depth]) + self.block_offsets[index])
         return ".".join(parts)
 
-    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def forward_only(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:
         """The whole batch's outputs through the stages without backward (torch's own
         ``schedule.eval``): the logits on the last stage's rank, None on the others. Call it
         with the same batch shape each time (the stages' buffers are sized once per mode).
         ``targets``: the schedule's last stage computes its loss in eval too (ignored here)."""
-        if inputs.shape[0] % self.microbatches:
-            raise ValueError(f"pipeline: the batch of {inputs.shape[0]} samples does not split into "
-                             f"parallel.microbatches={self.microbatches} equal micro-batches")
-        args = (inputs,) if self.has_first else ()
+        args, kwargs, _ = self._inputs(inputs)
         if not self.has_last:
-            self.schedule.eval(*args)
+            self.schedule.eval(*args, **kwargs)
             return None
-        out = self.schedule.eval(*args, target=targets)
+        out = self.schedule.eval(*args, target=targets, **kwargs)
         return out if isinstance(out, torch.Tensor) else None
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if inputs.shape[0] % self.microbatches:
-            raise ValueError(f"pipeline: the batch of {inputs.shape[0]} samples does not split into "
-                             f"parallel.microbatches={self.microbatches} equal micro-batches")
+    def __call__(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        args, kwargs, main = self._inputs(inputs)
         if self.grad_scaler is not None:  # every stage's scaler holds a scale to unscale by (the last one's scales)
-            self.grad_scaler.scale(torch.ones((), device=inputs.device))
+            self.grad_scaler.scale(torch.ones((), device=main.device))
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
         if self.has_last:
-            self.schedule.step(*args, target=targets, losses=losses)
+            self.schedule.step(*args, target=targets, losses=losses, **kwargs)
         else:
-            self.schedule.step(*args)
+            self.schedule.step(*args, **kwargs)
         loss = torch.stack(losses).sum() * self.unscale if losses else torch.zeros(())
         if losses and self.grad_scaler is not None:
             loss = loss / self.grad_scaler.get_scale()  # a power of two: exact
-        return self._share(loss.detach(), inputs.device)
+        return self._share(loss.detach(), main.device)
+
+    def _inputs(self, inputs: Any) -> tuple[tuple[torch.Tensor, ...], dict[str, Any], torch.Tensor]:
+        """The first stage's positional input, every stage's keywords, and the main input tensor."""
+        main, kwargs = stage_inputs(self.modules[0], inputs, self.signature)
+        if main.shape[0] % self.microbatches:
+            raise ValueError(f"pipeline: the batch of {main.shape[0]} samples does not split into "
+                             f"parallel.microbatches={self.microbatches} equal micro-batches")
+        return ((main,) if self.has_first else ()), kwargs, main
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss

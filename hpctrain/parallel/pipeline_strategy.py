@@ -2,7 +2,11 @@
 strategy each stage runs (``parallel.strategy``: FSDP over dp, tensor parallel inside). The
 schedule runs forward and backward of a whole micro-step; validation runs forward through the
 stages (the schedule's own ``eval``); checkpoints go through DCP under the whole model's names;
-``model.pt`` is streamed by one owner per stage."""
+``model.pt`` is streamed by one owner per stage.
+
+A factory that loads weights (``from_pretrained``: it refuses the meta device) runs on rank 0 only,
+as under FSDP (:mod:`hpctrain.parallel.meta`): every rank cuts the structure rank 0 sends into its
+stage(s), wraps them on meta, and receives rank 0's tensors into them by the whole model's names."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from hpctrain.models.registry import build_model
 from hpctrain.models.user import CAUSAL_LM
 from hpctrain.parallel.base import Factory, Strategy, _nothing
 from hpctrain.parallel.clip import clip_grad_norm_
-from hpctrain.parallel.meta import on_meta
+from hpctrain.parallel.meta import build_structure, load_from_rank0, meta_copy, meta_structure
 from hpctrain.parallel.pipeline import PipelineStep, build_pipeline, check_split
 from hpctrain.parallel.pipeline_state import PipelineState
 from hpctrain.parallel.state import ModelState
@@ -37,13 +41,20 @@ if TYPE_CHECKING:
 
 
 def _check_users_split(cfg: Config, stages: int) -> None:
-    """A user's model (built on meta: no memory) cut by its family's split, before the process group."""
-    model = on_meta(lambda: build_model(cfg.model.name, cfg.model.num_classes, config=cfg.model, task=CAUSAL_LM))
+    """A user's model (built on meta: no memory) cut by its family's split, before the process group;
+    one that loads weights (no meta structure) when rank 0 has built it (:meth:`Pipeline.build_model`)."""
+    model = meta_structure(lambda: build_model(cfg.model.name, cfg.model.num_classes, config=cfg.model,
+                                               task=CAUSAL_LM))
+    if model is not None:
+        check_stages(model, cfg.parallel.pp, stages, cfg.model.name)
+
+
+def check_stages(model: nn.Module, pp: int, stages: int, name: str) -> None:
+    """Can ``model`` (on meta) be cut into ``stages``? A ConfigError (exit 2) says why not."""
     try:
         check_split(model, stages)
     except ValueError as err:
-        raise ConfigError(f"parallel.pp={cfg.parallel.pp} cannot cut model.name={cfg.model.name} into {stages} "
-                          f"stages: {err}") from err
+        raise ConfigError(f"parallel.pp={pp} cannot cut model.name={name} into {stages} stages: {err}") from err
 
 
 class Pipeline(Strategy):
@@ -90,16 +101,30 @@ class Pipeline(Strategy):
         self.step: PipelineStep | None = None
 
     def build_model(self, factory: Factory) -> nn.Module:
-        """The whole model built seeded (as one process builds it), cut into this rank's stage(s)."""
+        """The whole model built seeded (as one process builds it), cut into this rank's stage(s);
+        a factory that loads weights: rank 0's structure cut on meta, then rank 0's weights sent in."""
         assert self.mesh is not None and self.loss_fn is not None
-        torch.manual_seed(self.seed)
+        built = build_structure(factory, seed=self.seed)
+        if built.loaded:
+            self.skeleton = meta_copy(built.skeleton)  # setup's whole-model view (names, FLOPs)
+            check_stages(built.skeleton, self.cfg.pp, self.n_stages, "(the model rank 0 loaded)")
+            model = built.skeleton
+        else:
+            torch.manual_seed(self.seed)
+            model = factory().to(self.device)
         loss_fn = self.loss_fn
-        self.step = build_pipeline(factory().to(self.device), pp_group=self.mesh["pp"].get_group(),
+        self.step = build_pipeline(model, pp_group=self.mesh["pp"].get_group(),
                                    device=self.device, schedule=self.cfg.pp_schedule,
                                    microbatches=self.cfg.microbatches, loss_fn=lambda out, tgt: loss_fn(out, tgt, None),
                                    virtual_stages=self.cfg.virtual_stages, grad_accum=self.grad_accum,
                                    wrap=self.stage_strategy.parallelize)
+        if built.loaded:
+            load_from_rank0(self.step.model, built.full, device=self.device, name_of=self.step.global_name)
         return self.step.model
+
+    @property
+    def n_stages(self) -> int:
+        return self.cfg.pp * (self.cfg.virtual_stages if self.cfg.pp_schedule == "interleaved_1f1b" else 1)
 
     def find_part(self) -> bool:
         return True

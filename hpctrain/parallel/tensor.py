@@ -38,7 +38,7 @@ from hpctrain.core.section import ConfigError
 from hpctrain.models.family import BLOCK_LAYERS, TensorPlan, family_of
 from hpctrain.models.registry import build_model
 from hpctrain.models.user import CAUSAL_LM
-from hpctrain.parallel.meta import on_meta
+from hpctrain.parallel.meta import meta_structure
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
@@ -101,7 +101,14 @@ def _submodule(model: nn.Module, path: str) -> nn.Module | None:
 
 
 def apply_tp(model: nn.Module, *, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Parallelize every block of ``model`` over the 1D ``mesh`` (the ``tp`` dim) by its family's plan."""
+    """Parallelize every block of ``model`` over the 1D ``mesh`` (the ``tp`` dim) by its family's plan.
+    A model the plan cannot split is a ConfigError (exit 2), on every rank alike: a factory that
+    loads weights is checked here, on rank 0's structure, not before start (it has no meta build)."""
+    try:
+        check_tp_model(model, mesh.size())
+    except ValueError as err:
+        raise ConfigError(f"parallel.tp={mesh.size()} cannot split {type(model).__name__}: {err}; hint: "
+                          f"{_hint(str(err))}") from err
     plan, blocks = model_plan(model)
     if sequence_parallel:
         _check_sequence_styles(model)
@@ -234,18 +241,24 @@ def check_tensor_parallel(cfg: Config, topology: Topology) -> None:
         raise ConfigError(f"parallel.tp={p.tp} with train.compile=true and parallel.activation_checkpointing="
                           f"{p.activation_checkpointing} fails inside torch.compile (DTensor in a checkpointed "
                           "region); hint: parallel.activation_checkpointing=none, or train.compile=false")
-    # a user's model is built as a causal LM (a factory may need vocab_size), with placeholder sizes
+    # a user's model is built as a causal LM (a factory may need vocab_size), with placeholder sizes;
+    # one that loads weights has no meta structure: apply_tp checks rank 0's after start
     task = CAUSAL_LM if ":" in name else None
-    model = on_meta(lambda: build_model(name, cfg.model.num_classes or None, config=cfg.model, task=task))
+    model = meta_structure(lambda: build_model(name, cfg.model.num_classes or None, config=cfg.model, task=task))
+    if model is None:
+        return
     try:
         check_tp_model(model, p.tp)
         if p.sequence_parallel:
             _check_sequence_styles(model)
     except ValueError as err:
-        hint = ("a parallel.tp that divides that count (every rank computes whole heads and equal slices)"
-                if "not divisible" in str(err) else
-                "parallel.sequence_parallel=false" if "sequence_parallel" in str(err) else
-                "tensor parallelism runs on the models of a family with a tensor plan: gpt, llama, Hugging Face "
-                "Llama/Mistral/Qwen2, a model with such `blocks`, or your own (model.family, see docs/models.md); "
-                "for other models use parallel.tp=1 with parallel.strategy=fsdp")
-        raise ConfigError(f"parallel.tp={p.tp} cannot split model.name={name}: {err}; hint: {hint}") from err
+        raise ConfigError(f"parallel.tp={p.tp} cannot split model.name={name}: {err}; hint: {_hint(str(err))}") from err
+
+
+def _hint(err: str) -> str:
+    return ("a parallel.tp that divides that count (every rank computes whole heads and equal slices)"
+            if "not divisible" in err else
+            "parallel.sequence_parallel=false" if "sequence_parallel" in err else
+            "tensor parallelism runs on the models of a family with a tensor plan: gpt, llama, Hugging Face "
+            "Llama/Mistral/Qwen2, a model with such `blocks`, or your own (model.family, see docs/models.md); "
+            "for other models use parallel.tp=1 with parallel.strategy=fsdp")

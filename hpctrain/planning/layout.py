@@ -125,9 +125,12 @@ def check_model_layout(cfg: Config, topology: Topology) -> None:
     from hpctrain.models import build_model
     from hpctrain.models.family import family_of
     from hpctrain.models.user import CAUSAL_LM
-    from hpctrain.parallel.meta import on_meta
+    from hpctrain.parallel.meta import meta_structure
 
-    model = on_meta(lambda: build_model(cfg.model.name, cfg.model.num_classes, config=cfg.model, task=CAUSAL_LM))
+    model = meta_structure(lambda: build_model(cfg.model.name, cfg.model.num_classes, config=cfg.model,
+                                               task=CAUSAL_LM))
+    if model is None:
+        return  # a factory that loads weights: checked on rank 0's structure after start
     family = family_of(model)  # its model family's plans (hpctrain.models.family)
     if (topology.tp == 1 or family.tensor_plan_of(model) is not None) and \
             (topology.pp == 1 or family.pipeline_split_of(model) is not None):

@@ -16,7 +16,15 @@ Packed documents (``{"tokens", "doc_ids"}``, :mod:`hpctrain.tasks.causal_lm`) re
 ``input_ids`` or a user's ``forward(x)`` takes them too). A forward that names no ``doc_ids``
 gets the tokens alone: it trains, the loss still never predicts across a document boundary, but
 its attention crosses documents within a window (as GPT-2-style packing does); that is warned
-once per model, not refused, so any causal LM can read packed data.
+once per model, not refused, so any causal LM can read packed data. A Hugging Face Llama-family
+model (PEFT-wrapped too) gets ``position_ids`` that restart at 0 at each document instead, as
+``transformers``' own packing collator (``DataCollatorWithFlattening``) gives them: with no
+``attention_mask`` and no cache (``use_cache=False``) transformers builds the block-diagonal causal
+mask from them (SDPA, eager) or runs flash-attention's variable-length kernel, so no token attends
+across a document.
+
+Under pipeline parallel (:func:`stage_inputs`) the main input goes to the first stage and the
+other named inputs (``doc_ids``, ``attention_mask``) to every stage, which masks alike.
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hpctrain.core.errors import UserError
+from hpctrain.data.batch import INPUT_KEYS
 from hpctrain.models import build_model
+from hpctrain.models.attention import document_positions
+from hpctrain.models.hf_llama import takes_document_positions
 
 log = logging.getLogger("hpctrain")
 IGNORE_INDEX = -100  # a target position that counts nowhere (padding tokens), as torch's cross-entropy
@@ -95,12 +106,34 @@ def packed_call(module: nn.Module, inputs: Mapping[str, Any], signature: Signatu
         return None
     if "doc_ids" in signature[0]:
         return (inputs["tokens"],), {"doc_ids": inputs["doc_ids"]}
+    if takes_document_positions(module):  # transformers masks per document by these (its packing collator's)
+        # no cache: transformers looks for packed sequences only without one (its default builds one)
+        return (inputs["tokens"],), {"position_ids": document_positions(inputs["doc_ids"]), "use_cache": False}
+    _warn_crossing(module)
+    return (inputs["tokens"],), {}
+
+
+def _warn_crossing(module: nn.Module) -> None:
     if not getattr(module, "_hpctrain_warned_doc_ids", False):
         module.__dict__["_hpctrain_warned_doc_ids"] = True  # once per model, not per step (not a submodule)
         log.warning("%s.forward takes no doc_ids: its attention crosses the packed documents of a window (the loss "
                     "still predicts no token across a boundary); hint: a model with forward(tokens, doc_ids=None) "
                     "(gpt, llama), or data.packing=windows", type(module).__name__)
-    return (inputs["tokens"],), {}
+
+
+def stage_inputs(module: nn.Module, inputs: Any, signature: Signature | None = None
+                 ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A pipeline's inputs for stage module ``module``: the main input (the first stage's positional
+    one: the tokens, ``input_ids``) and the keywords every stage takes (``doc_ids``, an
+    ``attention_mask``: the ones its forward names). A stage that names no ``doc_ids`` gets the
+    tokens alone (warned once, as one process's model)."""
+    if not isinstance(inputs, Mapping):
+        return inputs, {}
+    names = (forward_names(module) if signature is None else signature)[0]
+    key = next((k for k in ("tokens", *INPUT_KEYS) if k in inputs), next(iter(inputs)))
+    if "doc_ids" in inputs and "doc_ids" not in names:
+        _warn_crossing(module)
+    return inputs[key], {k: v for k, v in inputs.items() if k != key and k in names}
 
 
 def expand_dict_inputs(model: nn.Module) -> RemovableHandle:
@@ -148,4 +181,6 @@ def build_task_model(task: Any, name: str, num_classes: int, input_shape: tuple[
     model = build_model(name, num_classes, in_channels, input_shape=input_shape if checked else None,
                         input_dtype=input_dtype, config=config, task=task.name if checked else None)
     expand_dict_inputs(model)
-    return model
+    # training mode, as a freshly built module is: transformers' from_pretrained returns its model in
+    # eval mode, which would train without dropout (and context parallel's gather reads the mode)
+    return model.train()
