@@ -79,7 +79,6 @@ def test_decay_matrices_groups_and_foreach_keeps_the_numbers() -> None:
     decayed, plain = optimizer.param_groups
     assert [p.ndim for p in decayed["params"]] == [2, 2] and decayed["weight_decay"] == 0.1
     assert [p.ndim for p in plain["params"]] == [1, 1, 1, 1] and plain["weight_decay"] == 0.0
-    assert decayed["foreach"] is True
     assert len(build_optimizer(model, load_config(None, []).optim, 0.1).param_groups) == 1  # default: all
     with pytest.raises(ConfigError, match=r"^optim.decay=matrices applies to the built-in optimizers"):
         load_config(None, ["optim.name=torch.optim:Adadelta", "optim.decay=matrices"])
