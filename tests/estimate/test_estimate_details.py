@@ -142,7 +142,7 @@ def test_plan_json_names_the_machine_world_ranks_per_node_and_global_batch(monke
     from hpctrain.cli import plan
     from hpctrain.planning.auto import Candidate, Choice, Machine
 
-    def choose(cfg, env):
+    def choose(cfg, env, **_):
         chosen = Candidate("ddp", 1, 1, env.world_size, "none", 4, 2, {"params": 1e9}, 0.1, 80.0, True)
         machine = Machine("cuda", "NVIDIA H100 80GB HBM3", 80e9, 72e9, 4e14, 150e9, 20e9, env.local_world_size)
         return Choice(cfg, chosen, [chosen], {}, machine, 64, None)
