@@ -71,7 +71,9 @@ CASES = [
     Case("unknown-best-metric", ["train", *TINY, "train.best_metric=val_f1", "run.dir={run}"], 2, "val_f1"),
     Case("precision-not-allowed", ["train", *TINY, "precision=fp8", "run.dir={run}"], 2, "precision"),
     Case("run-dir-is-a-file", ["train", *TINY, "run.dir={ws}/garbage.yaml/run"], 2, "garbage.yaml"),
-    Case("run-dir-finished", ["train", *TINY, "run.dir={ws}/done"], 2, "done"),
+    # the same command as the finished run (dropping its train.max_steps would continue it: the epochs allow more)
+    Case("run-dir-finished", ["train", *TINY, "train.max_steps=2", "data.batch_size=8", "run.dir={ws}/done"], 2,
+         "done"),
     # ---- data
     Case("unknown-dataset", ["train", *TINY, "data.name=cifar11", "run.dir={run}"], 2, "cifar11"),
     Case("mnist-path-missing", ["train", "data.path={ws}/nowhere", "run.dir={run}"], 2, "nowhere"),

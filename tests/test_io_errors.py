@@ -81,11 +81,20 @@ def unfinished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @needs_dev_full
-def test_disk_full_while_metrics_jsonl_is_written(tmp_path: Path, hpctrain_in_process: Run) -> None:
+def test_disk_full_while_metrics_jsonl_is_written(tmp_path: Path, hpctrain_in_process: Run,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain.telemetry import loggers
+
     run = tmp_path / "run"
     run.mkdir()
     claim_run_dir(run)  # an hpctrain run dir (a folder holding foreign files is refused before any write)
-    (run / "metrics.jsonl").symlink_to(DEV_FULL)  # every row's write fails with ENOSPC
+
+    def full_metrics(path: object, *args: object, **kwargs: object) -> object:
+        # every row's write fails with ENOSPC (a symlink to /dev/full is refused now: a link out of the run dir)
+        target = DEV_FULL if str(path).endswith("metrics.jsonl") else path
+        return open(target, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(loggers, "open", full_metrics, raising=False)
     result = hpctrain_in_process(["train", *TINY, "train.max_steps=2", "train.log_every=1", "data.batch_size=8",
                                   f"run.dir={run}"], tmp_path)
     _one_line_error(result, 1, f"cannot append a row to {run / 'metrics.jsonl'}: No space left on device",
