@@ -12,9 +12,10 @@ from torch import nn
 from hpctrain.cli import main
 from hpctrain.cli.estimate import parse_count
 from hpctrain.core.errors import UserError
-from hpctrain.estimate import activations, hardware, reliability
+from hpctrain.estimate import activations, reliability
 from hpctrain.estimate import gpu_memory as memory
 from hpctrain.models.shape import TransformerShape
+from hpctrain.telemetry import accelerators as hardware
 from hpctrain.telemetry import measure
 
 GPT3 = TransformerShape(layers=96, hidden=12288, heads=96, seq_len=2048, vocab=50257)
